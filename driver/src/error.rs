@@ -1,0 +1,76 @@
+//! The driver crate's one error type.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Everything a block device can report. `device` names the device (path, PCI address or
+/// simulator id) so an error read in a log says where it happened.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The operating system refused an operation (open, ioctl, io_uring setup, a read or write).
+    #[error("{device}: {what}: {source}")]
+    Io {
+        device: Arc<str>,
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A buffer offset, byte offset or length is not aligned as the device requires.
+    #[error("{device}: misaligned request: {detail}")]
+    Misaligned { device: Arc<str>, detail: String },
+    /// The LBA range extends past the end of the device.
+    #[error(
+        "{device}: LBA range {lba}+{blocks} is past the end of the device ({capacity} blocks)"
+    )]
+    OutOfRange {
+        device: Arc<str>,
+        lba: u64,
+        blocks: u32,
+        capacity: u64,
+    },
+    /// A request that is malformed for a reason other than alignment or range.
+    #[error("{device}: invalid request: {detail}")]
+    Invalid { device: Arc<str>, detail: String },
+    /// The medium could not deliver or store the data (an unrecoverable read or write error).
+    #[error("{device}: media error on {op} at LBA {lba}+{blocks}: {detail}")]
+    Media {
+        device: Arc<str>,
+        op: &'static str,
+        lba: u64,
+        blocks: u32,
+        detail: String,
+    },
+    /// Every queue the device offers is already open.
+    #[error("{device}: no free queue: all {count} queues are open")]
+    NoQueue { device: Arc<str>, count: u32 },
+    /// DMA memory could not be allocated or mapped.
+    #[error("{device}: cannot allocate {len} bytes of DMA memory: {detail}")]
+    NoMemory {
+        device: Arc<str>,
+        len: usize,
+        detail: String,
+    },
+    /// A wait ran past its deadline.
+    #[error("{device}: timed out after {timeout:?} waiting for {what}")]
+    Timeout {
+        device: Arc<str>,
+        what: &'static str,
+        timeout: Duration,
+    },
+    /// The device was crashed, removed or reset underneath this handle.
+    #[error("{device}: device is gone: {reason}")]
+    Gone {
+        device: Arc<str>,
+        reason: &'static str,
+    },
+}
+
+impl Error {
+    /// True when the error says the data itself is bad or unreadable (as opposed to a bad request
+    /// or an unavailable device): the caller may repair from redundancy.
+    pub fn is_media(&self) -> bool {
+        matches!(self, Error::Media { .. })
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,673 @@
+//! FileDevice: a regular file or a kernel block device as a BlockDevice, O_DIRECT, through
+//! io_uring (one ring per queue handle, batched submission), with a pread/pwrite fallback.
+//!
+//! This is the embedded default for laptops and CI. Semantics follow the contract in
+//! [`crate::device`]: a flush is `fdatasync` through the ring, FUA is `RWF_DSYNC`, write-zeroes
+//! is `fallocate(ZERO_RANGE)` and deallocate is `fallocate(PUNCH_HOLE)`.
+
+use std::collections::VecDeque;
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::Path;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Once};
+use std::time::{Duration, Instant};
+
+use io_uring::{opcode, types, IoUring};
+
+use crate::device::{BlockDevice, Completion, Geometry, Op, QueueHandle, Request, SubmitError};
+use crate::dma::{DmaBuf, HostMemory};
+use crate::error::{Error, Result};
+
+/// How a FileDevice moves data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    /// io_uring when the kernel allows it, else the synchronous fallback (logged once).
+    Auto,
+    /// io_uring or fail.
+    IoUring,
+    /// pread/pwrite on the calling thread; completions are ready at once.
+    Sync,
+}
+
+/// Options for [`FileDevice::open`].
+#[derive(Debug, Clone)]
+pub struct FileOptions {
+    pub block_size: u32,
+    pub queue_depth: u32,
+    pub queue_count: u32,
+    pub max_transfer_bytes: u32,
+    pub engine: Engine,
+    /// Open with O_DIRECT. If the file system refuses (tmpfs), the device falls back to
+    /// buffered IO and logs it once; durability still comes from fdatasync.
+    pub direct: bool,
+}
+
+impl Default for FileOptions {
+    fn default() -> Self {
+        FileOptions {
+            block_size: 4096,
+            queue_depth: 128,
+            queue_count: 64,
+            max_transfer_bytes: 1 << 20,
+            engine: Engine::Auto,
+            direct: true,
+        }
+    }
+}
+
+/// Memory alignment O_DIRECT needs for buffers and offsets on the file systems we run on.
+const DIRECT_ALIGN_BYTES: u32 = 512;
+/// Buffers are page aligned regardless.
+const BUF_ALIGN_BYTES: usize = 4096;
+
+struct Inner {
+    file: File,
+    name: Arc<str>,
+    geometry: Geometry,
+    engine: Engine,
+    open_queues: AtomicU32,
+    memory: Arc<HostMemory>,
+}
+
+/// A file or block device. Cheap to share: queues hold an `Arc` of the open file.
+pub struct FileDevice {
+    inner: Arc<Inner>,
+}
+
+static URING_FALLBACK_LOGGED: Once = Once::new();
+static BUFFERED_FALLBACK_LOGGED: Once = Once::new();
+
+impl FileDevice {
+    /// Create (or truncate) a sparse regular file of `size_bytes` and open it.
+    pub fn create(path: &Path, size_bytes: u64, opts: FileOptions) -> Result<Self> {
+        let name: Arc<str> = path.display().to_string().into();
+        let io = |what| {
+            let name = name.clone();
+            move |source| Error::Io {
+                device: name,
+                what,
+                source,
+            }
+        };
+        let f = File::create(path).map_err(io("create"))?;
+        f.set_len(size_bytes).map_err(io("set length"))?;
+        drop(f);
+        Self::open(path, opts)
+    }
+
+    /// Open an existing file or block device.
+    pub fn open(path: &Path, opts: FileOptions) -> Result<Self> {
+        let name: Arc<str> = path.display().to_string().into();
+        let io_err = |what: &'static str, source| Error::Io {
+            device: name.clone(),
+            what,
+            source,
+        };
+        check_options(&name, &opts)?;
+        let file = open_file(path, opts.direct).map_err(|e| io_err("open", e))?;
+        let meta = file.metadata().map_err(|e| io_err("stat", e))?;
+        let bytes = if meta.file_type().is_block_device() {
+            block_device_size(&file).map_err(|e| io_err("BLKGETSIZE64", e))?
+        } else {
+            meta.len()
+        };
+        let engine = resolve_engine(&name, opts.engine)?;
+        let geometry = Geometry {
+            block_size: opts.block_size,
+            capacity_blocks: bytes / opts.block_size as u64,
+            max_transfer_bytes: opts.max_transfer_bytes,
+            queue_depth: opts.queue_depth,
+            queue_count: opts.queue_count,
+            volatile_write_cache: true,
+            atomic_write_bytes: opts.block_size.min(4096),
+            dma_alignment: DIRECT_ALIGN_BYTES,
+        };
+        Ok(FileDevice {
+            inner: Arc::new(Inner {
+                file,
+                name,
+                geometry,
+                engine,
+                open_queues: AtomicU32::new(0),
+                memory: HostMemory::new(BUF_ALIGN_BYTES),
+            }),
+        })
+    }
+
+    /// The engine actually in use (never `Auto`).
+    pub fn engine(&self) -> Engine {
+        self.inner.engine
+    }
+}
+
+fn check_options(name: &Arc<str>, o: &FileOptions) -> Result<()> {
+    let bad = |detail: String| {
+        Err(Error::Invalid {
+            device: name.clone(),
+            detail,
+        })
+    };
+    if !o.block_size.is_power_of_two() || o.block_size < 512 {
+        return bad(format!(
+            "block size {} must be a power of two ≥ 512",
+            o.block_size
+        ));
+    }
+    if o.max_transfer_bytes < o.block_size || o.max_transfer_bytes % o.block_size != 0 {
+        return bad(format!(
+            "max transfer {} must be a positive multiple of the block size {}",
+            o.max_transfer_bytes, o.block_size
+        ));
+    }
+    if o.queue_depth == 0 || o.queue_depth > 4096 || o.queue_count == 0 {
+        return bad(format!(
+            "queue depth {} must be 1..=4096 and queue count {} at least 1",
+            o.queue_depth, o.queue_count
+        ));
+    }
+    Ok(())
+}
+
+fn open_file(path: &Path, direct: bool) -> std::io::Result<File> {
+    let plain = || OpenOptions::new().read(true).write(true).open(path);
+    if !direct {
+        return plain();
+    }
+    match OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+    {
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            BUFFERED_FALLBACK_LOGGED.call_once(|| {
+                tracing::warn!(
+                    path = %path.display(),
+                    "file system refuses O_DIRECT; using buffered IO (durability via fdatasync)"
+                )
+            });
+            plain()
+        }
+        other => other,
+    }
+}
+
+fn block_device_size(file: &File) -> std::io::Result<u64> {
+    const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+    let mut bytes: u64 = 0;
+    // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which points at a live local.
+    let rc = unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut bytes as *mut u64) };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(bytes)
+}
+
+fn resolve_engine(name: &Arc<str>, want: Engine) -> Result<Engine> {
+    if want == Engine::Sync {
+        return Ok(Engine::Sync);
+    }
+    match IoUring::new(4) {
+        Ok(_) => Ok(Engine::IoUring),
+        Err(source) if want == Engine::IoUring => Err(Error::Io {
+            device: name.clone(),
+            what: "io_uring setup",
+            source,
+        }),
+        Err(e) => {
+            URING_FALLBACK_LOGGED.call_once(
+                || tracing::warn!(error = %e, "io_uring unavailable; FileDevice uses pread/pwrite"),
+            );
+            Ok(Engine::Sync)
+        }
+    }
+}
+
+impl BlockDevice for FileDevice {
+    type Queue = FileQueue;
+
+    fn name(&self) -> &Arc<str> {
+        &self.inner.name
+    }
+
+    fn geometry(&self) -> &Geometry {
+        &self.inner.geometry
+    }
+
+    fn open_queue(&self) -> Result<FileQueue> {
+        let count = self.inner.geometry.queue_count;
+        let taken = self
+            .inner
+            .open_queues
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < count).then_some(n + 1)
+            });
+        if taken.is_err() {
+            return Err(Error::NoQueue {
+                device: self.inner.name.clone(),
+                count,
+            });
+        }
+        FileQueue::new(self.inner.clone()).inspect_err(|_| {
+            self.inner.open_queues.fetch_sub(1, Ordering::AcqRel);
+        })
+    }
+
+    fn alloc_buf(&self, len: usize) -> Result<DmaBuf> {
+        self.inner.memory.alloc(len).ok_or_else(|| Error::NoMemory {
+            device: self.inner.name.clone(),
+            len,
+            detail: "host allocation failed".into(),
+        })
+    }
+}
+
+/// One in-flight request, indexed by its slot number (the io_uring user_data).
+struct Slot {
+    req: Option<Request>,
+    /// Bytes a read or write must transfer; 0 for other ops.
+    expect: usize,
+}
+
+enum Ring {
+    /// Created lazily by the first thread that uses the queue (see [`UringState`]).
+    Uring(Box<UringState>),
+    /// (slot, result) of requests already executed synchronously at submit; the slot stays
+    /// taken until the completion is polled, so queue-full behaves as with a real queue.
+    Sync(VecDeque<(u32, i64)>),
+}
+
+/// An io_uring set up like fio's: COOP_TASKRUN, and SINGLE_ISSUER + DEFER_TASKRUN when the
+/// kernel has them, so completion work runs in batches when we reap instead of interrupting us.
+/// SINGLE_ISSUER ties the ring to the thread that created it, so the ring is created on first
+/// use, and rebuilt if an idle handle has moved to another thread.
+struct UringState {
+    ring: Option<IoUring>,
+    owner: Option<std::thread::ThreadId>,
+    deferred: bool,
+}
+
+/// A queue handle: one io_uring instance (or the synchronous fallback) owned by one thread.
+pub struct FileQueue {
+    dev: Arc<Inner>,
+    ring: Ring,
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    unsubmitted: usize,
+}
+
+impl FileQueue {
+    fn new(dev: Arc<Inner>) -> Result<Self> {
+        let depth = dev.geometry.queue_depth as usize;
+        let ring = match dev.engine {
+            Engine::Sync => Ring::Sync(VecDeque::with_capacity(depth)),
+            _ => Ring::Uring(Box::new(UringState {
+                ring: None,
+                owner: None,
+                deferred: false,
+            })),
+        };
+        Ok(FileQueue {
+            slots: (0..depth)
+                .map(|_| Slot {
+                    req: None,
+                    expect: 0,
+                })
+                .collect(),
+            free: (0..depth as u32).rev().collect(),
+            dev,
+            ring,
+            unsubmitted: 0,
+        })
+    }
+
+    /// The ring for the calling thread: created on first use; rebuilt when an idle handle has
+    /// moved threads (SINGLE_ISSUER rings refuse other threads). Moving a handle with IO in
+    /// flight is refused: its completions belong to the old thread's ring.
+    fn uring(&mut self) -> Result<Option<&mut IoUring>> {
+        let Ring::Uring(st) = &mut self.ring else {
+            return Ok(None);
+        };
+        let me = std::thread::current().id();
+        if st.ring.is_some() && st.owner != Some(me) && st.deferred {
+            let in_flight = self.slots.len() - self.free.len();
+            if in_flight > 0 {
+                return Err(Error::Invalid {
+                    device: self.dev.name.clone(),
+                    detail: format!(
+                        "queue handle moved to another thread with {in_flight} requests in flight"
+                    ),
+                });
+            }
+            st.ring = None;
+        }
+        if st.ring.is_none() {
+            let (ring, deferred) = new_ring(&self.dev, self.slots.len())?;
+            st.ring = Some(ring);
+            st.deferred = deferred;
+            st.owner = Some(me);
+        }
+        Ok(st.ring.as_mut())
+    }
+
+    fn io_error(&self, what: &'static str, source: std::io::Error) -> Error {
+        Error::Io {
+            device: self.dev.name.clone(),
+            what,
+            source,
+        }
+    }
+
+    fn complete(&mut self, slot: u32, res: i64) -> Completion {
+        let s = &mut self.slots[slot as usize];
+        let req = s.req.take().expect("completion for an empty slot");
+        let expect = s.expect;
+        self.free.push(slot);
+        let result = if res < 0 {
+            Err(self.io_error(
+                req.op.name(),
+                std::io::Error::from_raw_os_error(-res as i32),
+            ))
+        } else if req.op.has_data() && res as usize != expect {
+            Err(Error::Media {
+                device: self.dev.name.clone(),
+                op: req.op.name(),
+                lba: req.lba,
+                blocks: req.blocks,
+                detail: format!("short transfer: {res} of {expect} bytes"),
+            })
+        } else {
+            Ok(())
+        };
+        Completion {
+            tag: req.tag,
+            op: req.op,
+            result,
+            buf: req.buf,
+        }
+    }
+
+    fn reap(&mut self, out: &mut [Completion]) -> usize {
+        let mut n = 0;
+        while n < out.len() {
+            let next = match &mut self.ring {
+                Ring::Uring(st) => st.ring.as_mut().and_then(|ring| {
+                    ring.completion()
+                        .next()
+                        .map(|cqe| (cqe.user_data() as u32, cqe.result() as i64))
+                }),
+                Ring::Sync(done) => done.pop_front(),
+            };
+            let Some((slot, res)) = next else { break };
+            out[n] = self.complete(slot, res);
+            n += 1;
+        }
+        n
+    }
+}
+
+/// Set up a ring for `depth` requests with the fio-like flags, falling back flag by flag on
+/// kernels that refuse them. Returns the ring and whether DEFER_TASKRUN is on.
+fn new_ring(dev: &Inner, depth: usize) -> Result<(IoUring, bool)> {
+    let io = |what, source| Error::Io {
+        device: dev.name.clone(),
+        what,
+        source,
+    };
+    let build = |defer: bool, coop: bool| {
+        let mut b = IoUring::builder();
+        b.setup_cqsize(2 * depth as u32);
+        if coop {
+            b.setup_coop_taskrun();
+        }
+        if defer {
+            b.setup_single_issuer()
+                .setup_defer_taskrun()
+                .setup_taskrun_flag();
+        }
+        b.build(depth as u32)
+    };
+    let (ring, deferred) = match build(true, true) {
+        Ok(r) => (r, true),
+        Err(_) => match build(false, true) {
+            Ok(r) => (r, false),
+            Err(_) => (
+                build(false, false).map_err(|e| io("io_uring setup", e))?,
+                false,
+            ),
+        },
+    };
+    ring.submitter()
+        .register_files(&[dev.file.as_raw_fd()])
+        .map_err(|e| io("io_uring register file", e))?;
+    Ok((ring, deferred))
+}
+
+/// Build the io_uring entry for a validated request in `slot`.
+fn sqe_for(req: &Request, bs: u64, slot: u32) -> io_uring::squeue::Entry {
+    let fd = types::Fixed(0);
+    let offset = req.lba * bs;
+    let len = req.blocks as u64 * bs;
+    let buf_ptr = || {
+        let buf = req
+            .buf
+            .as_ref()
+            .expect("validated data request has a buffer");
+        // SAFETY: validate() checked buf_offset + len <= buf.len(); the pointer stays valid
+        // because the buffer lives in the slot until the completion is reaped.
+        unsafe { buf.as_ptr().add(req.buf_offset) as *mut u8 }
+    };
+    let entry = match req.op {
+        Op::Read => opcode::Read::new(fd, buf_ptr(), len as u32)
+            .offset(offset)
+            .build(),
+        Op::Write { fua } => opcode::Write::new(fd, buf_ptr(), len as u32)
+            .offset(offset)
+            .rw_flags(if fua { libc::RWF_DSYNC } else { 0 })
+            .build(),
+        Op::Flush => opcode::Fsync::new(fd)
+            .flags(types::FsyncFlags::DATASYNC)
+            .build(),
+        Op::WriteZeroes => opcode::Fallocate::new(fd, len)
+            .offset(offset)
+            .mode(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE)
+            .build(),
+        Op::Deallocate => opcode::Fallocate::new(fd, len)
+            .offset(offset)
+            .mode(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE)
+            .build(),
+    };
+    entry.user_data(slot as u64)
+}
+
+/// Execute a validated request with plain syscalls; returns bytes moved or -errno.
+fn execute_sync(file: &File, req: &Request, bs: u64) -> i64 {
+    let fd = file.as_raw_fd();
+    let offset = (req.lba * bs) as libc::off_t;
+    let len = req.blocks as u64 * bs;
+    let ptr = req
+        .buf
+        .as_ref()
+        // SAFETY: validate() checked buf_offset + len <= buf.len().
+        .map(|b| unsafe { b.as_ptr().add(req.buf_offset) as *mut libc::c_void });
+    // SAFETY: each call gets a valid fd and, for data ops, a pointer to at least `len` bytes
+    // of memory this queue owns for the duration of the call.
+    let rc = unsafe {
+        match req.op {
+            Op::Read => libc::pread(fd, ptr.unwrap(), len as usize, offset) as i64,
+            Op::Write { fua } => {
+                let iov = libc::iovec {
+                    iov_base: ptr.unwrap(),
+                    iov_len: len as usize,
+                };
+                let flags = if fua { libc::RWF_DSYNC } else { 0 };
+                libc::pwritev2(fd, &iov, 1, offset, flags) as i64
+            }
+            Op::Flush => libc::fdatasync(fd) as i64,
+            Op::WriteZeroes => libc::fallocate(
+                fd,
+                libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+                offset,
+                len as libc::off_t,
+            ) as i64,
+            Op::Deallocate => libc::fallocate(
+                fd,
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                offset,
+                len as libc::off_t,
+            ) as i64,
+        }
+    };
+    if rc < 0 {
+        -(std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO) as i64)
+    } else {
+        rc
+    }
+}
+
+impl QueueHandle for FileQueue {
+    fn submit(&mut self, req: Request) -> Result<(), SubmitError> {
+        if let Err(e) = req.validate(&self.dev.name, &self.dev.geometry) {
+            return Err(SubmitError::rejected(e, req));
+        }
+        let Some(slot) = self.free.pop() else {
+            return Err(SubmitError::full(req));
+        };
+        let bs = self.dev.geometry.block_size as u64;
+        let expect = if req.op.has_data() {
+            (req.blocks as u64 * bs) as usize
+        } else {
+            0
+        };
+        let ring = match self.uring() {
+            Ok(r) => r,
+            Err(e) => {
+                self.free.push(slot);
+                return Err(SubmitError::rejected(e, req));
+            }
+        };
+        match ring {
+            Some(ring) => {
+                let sqe = sqe_for(&req, bs, slot);
+                // SAFETY: the entry's buffer pointer stays valid until its completion is reaped
+                // (the request is parked in `slots[slot]`); the SQ has `depth` entries and at
+                // most `depth` slots are in use, so the push cannot overflow.
+                let pushed = unsafe { ring.submission().push(&sqe) };
+                pushed.expect("submission queue sized to the queue depth");
+                self.unsubmitted += 1;
+                self.slots[slot as usize] = Slot {
+                    req: Some(req),
+                    expect,
+                };
+            }
+            None => {
+                let res = execute_sync(&self.dev.file, &req, bs);
+                let Ring::Sync(done) = &mut self.ring else {
+                    unreachable!("no ring means the sync engine")
+                };
+                done.push_back((slot, res));
+                self.slots[slot as usize] = Slot {
+                    req: Some(req),
+                    expect,
+                };
+            }
+        }
+        Ok(())
+    }
+
+    fn kick(&mut self) -> Result<()> {
+        let in_flight = self.in_flight();
+        let unsubmitted = self.unsubmitted;
+        let Some(ring) = self.uring()? else {
+            return Ok(());
+        };
+        // With DEFER_TASKRUN, completions are only posted when we enter with GETEVENTS, which
+        // `submit` does when the kernel flags pending task work.
+        let pending_work = in_flight > 0 && ring.submission().taskrun();
+        if unsubmitted == 0 && !pending_work {
+            return Ok(());
+        }
+        if let Err(e) = ring.submit() {
+            return Err(self.io_error("io_uring submit", e));
+        }
+        self.unsubmitted = 0;
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut [Completion]) -> Result<usize> {
+        self.kick()?;
+        Ok(self.reap(out))
+    }
+
+    fn wait(&mut self, out: &mut [Completion], min: usize, timeout: Duration) -> Result<usize> {
+        let min = min.min(out.len()).min(self.in_flight());
+        let deadline = Instant::now() + timeout;
+        let mut got = self.reap(out);
+        while got < min {
+            let now = Instant::now();
+            if now >= deadline {
+                self.kick()?;
+                return Err(Error::Timeout {
+                    device: self.dev.name.clone(),
+                    what: "io_uring completions",
+                    timeout,
+                });
+            }
+            if let Some(ring) = self.uring()? {
+                // One io_uring_enter both submits what is queued and waits.
+                let left = deadline - now;
+                let ts = types::Timespec::new()
+                    .sec(left.as_secs())
+                    .nsec(left.subsec_nanos());
+                let args = types::SubmitArgs::new().timespec(&ts);
+                match ring.submitter().submit_with_args(min - got, &args) {
+                    Ok(_) => self.unsubmitted = 0,
+                    Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME | libc::EINTR)) => {
+                        self.unsubmitted = 0
+                    }
+                    Err(e) => return Err(self.io_error("io_uring wait", e)),
+                }
+            }
+            got += self.reap(&mut out[got..]);
+        }
+        self.kick()?;
+        Ok(got)
+    }
+
+    fn in_flight(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+
+    fn depth(&self) -> usize {
+        self.slots.len()
+    }
+}
+
+impl Drop for FileQueue {
+    fn drop(&mut self) {
+        // The kernel may still be writing into buffers of in-flight requests: wait for them.
+        // If they never finish, leak the buffers rather than free memory the kernel may write.
+        let mut out: [Completion; 8] = Default::default();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.in_flight() > 0 && Instant::now() < deadline {
+            match self.wait(&mut out, 1, Duration::from_secs(1)) {
+                Ok(_) | Err(Error::Timeout { .. }) => {}
+                Err(_) => break,
+            }
+        }
+        if self.in_flight() > 0 {
+            tracing::error!(device = %self.dev.name, n = self.in_flight(),
+                "queue dropped with IO still in flight; leaking its buffers");
+            for s in &mut self.slots {
+                if let Some(req) = s.req.take() {
+                    std::mem::forget(req);
+                }
+            }
+        }
+        self.dev.open_queues.fetch_sub(1, Ordering::AcqRel);
+    }
+}

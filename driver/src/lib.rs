@@ -1,0 +1,23 @@
+//! nvstore's block layer: the [`BlockDevice`] contract and its backends.
+//!
+//! * [`FileDevice`]: files and kernel block devices through io_uring (the embedded default).
+//! * [`SimDevice`]: in-memory, seeded, with crash images and injected faults (for crash tests).
+//!
+//! The store is generic over [`BlockDevice`]; only binaries name a concrete backend.
+
+pub mod conformance;
+pub mod device;
+pub mod dma;
+pub mod error;
+pub mod file;
+pub mod io;
+pub mod sim;
+pub mod workload;
+
+pub use device::{
+    BlockDevice, Completion, Geometry, Op, QueueHandle, Request, SubmitError, SubmitErrorKind,
+};
+pub use dma::{DmaBuf, DmaOwner, HostMemory};
+pub use error::{Error, Result};
+pub use file::{Engine, FileDevice, FileOptions};
+pub use sim::{Fault, Latency, SimConfig, SimDevice};

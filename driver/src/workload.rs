@@ -1,0 +1,397 @@
+//! Block-level workloads for benchmarks (`cargo bench -p nvstore-driver`, `nvstore bench device`)
+//! and, for comparison in the same run, the same workload through `fio`.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use crate::device::{BlockDevice, Completion, QueueHandle, Request};
+use crate::error::Result;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pattern {
+    RandRead,
+    RandWrite,
+    SeqRead,
+    SeqWrite,
+}
+
+impl Pattern {
+    fn fio_rw(self) -> &'static str {
+        match self {
+            Pattern::RandRead => "randread",
+            Pattern::RandWrite => "randwrite",
+            Pattern::SeqRead => "read",
+            Pattern::SeqWrite => "write",
+        }
+    }
+
+    fn is_read(self) -> bool {
+        matches!(self, Pattern::RandRead | Pattern::SeqRead)
+    }
+
+    fn is_random(self) -> bool {
+        matches!(self, Pattern::RandRead | Pattern::RandWrite)
+    }
+}
+
+/// One workload: `pattern` in `io_bytes` units at `depth`, over the first `span_bytes` of the
+/// device, for `duration`.
+#[derive(Debug, Clone)]
+pub struct Spec {
+    pub pattern: Pattern,
+    pub io_bytes: u32,
+    pub depth: u32,
+    pub span_bytes: u64,
+    pub duration: Duration,
+    pub seed: u64,
+}
+
+impl Spec {
+    pub fn label(&self) -> String {
+        let size = if self.io_bytes >= 1024 {
+            format!("{}k", self.io_bytes / 1024)
+        } else {
+            format!("{}b", self.io_bytes)
+        };
+        format!("{} {size} QD{}", self.pattern.fio_rw(), self.depth)
+    }
+}
+
+/// What a run achieved.
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    pub ios: u64,
+    pub bytes: u64,
+    pub elapsed: Duration,
+    /// CPU time (user + system) the run consumed, per IO, in microseconds.
+    pub cpu_us_per_io: f64,
+    pub lat_p50_us: f64,
+    pub lat_p99_us: f64,
+}
+
+impl Report {
+    pub fn iops(&self) -> f64 {
+        self.ios as f64 / self.elapsed.as_secs_f64()
+    }
+
+    pub fn mb_per_s(&self) -> f64 {
+        self.bytes as f64 / self.elapsed.as_secs_f64() / 1e6
+    }
+}
+
+/// CPU time of the calling thread (user + system).
+pub fn thread_cpu_time() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec through a pointer to a live local.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+struct Xorshift(u64);
+
+impl Xorshift {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+/// Run `spec` on one queue of `dev` from the calling thread. Buffers are allocated up front;
+/// the loop itself does not allocate.
+pub fn run<D: BlockDevice>(dev: &D, spec: &Spec) -> Result<Report> {
+    let geo = dev.geometry();
+    let bs = geo.block_size as u64;
+    let blocks = (spec.io_bytes as u64 / bs) as u32;
+    assert!(
+        blocks > 0 && spec.io_bytes as u64 % bs == 0,
+        "io size must be whole blocks"
+    );
+    let slots = (spec.span_bytes.min(geo.capacity_bytes()) / spec.io_bytes as u64).max(1);
+    let mut q = dev.open_queue()?;
+    let depth = (spec.depth as usize).min(q.depth());
+    let mut bufs = Vec::with_capacity(depth);
+    let mut rng = Xorshift(spec.seed | 1);
+    for _ in 0..depth {
+        let mut b = dev.alloc_buf(spec.io_bytes as usize)?;
+        let noise: Vec<u8> = (0..spec.io_bytes).map(|_| rng.next() as u8).collect();
+        b.write_at(0, &noise);
+        bufs.push(b);
+    }
+    let mut hist = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).unwrap();
+    let mut started: Vec<Instant> = vec![Instant::now(); depth];
+    let mut out: Vec<Completion> = (0..depth).map(|_| Completion::default()).collect();
+    let mut next_seq = 0u64;
+    let mut report = Report::default();
+    let cpu0 = thread_cpu_time();
+    let t0 = Instant::now();
+    let deadline = t0 + spec.duration;
+    let mut submit = |q: &mut D::Queue, buf, slot: usize, started: &mut [Instant]| {
+        let index = if spec.pattern.is_random() {
+            rng.next() % slots
+        } else {
+            next_seq = (next_seq + 1) % slots;
+            next_seq
+        };
+        let lba = index * blocks as u64;
+        let req = if spec.pattern.is_read() {
+            Request::read(lba, blocks, buf, 0, slot as u64)
+        } else {
+            Request::write(lba, blocks, buf, 0, false, slot as u64)
+        };
+        started[slot] = Instant::now();
+        q.submit(req).map_err(|e| e.into_error(dev.name()))
+    };
+    for (slot, buf) in bufs.drain(..).enumerate() {
+        submit(&mut q, buf, slot, &mut started)?;
+    }
+    while q.in_flight() > 0 {
+        let n = q.wait(&mut out, 1, Duration::from_secs(30))?;
+        let now = Instant::now();
+        for c in &mut out[..n] {
+            let c = std::mem::take(c);
+            c.result?;
+            let slot = c.tag as usize;
+            hist.saturating_record(now.duration_since(started[slot]).as_nanos() as u64 / 1000);
+            report.ios += 1;
+            report.bytes += spec.io_bytes as u64;
+            if now < deadline {
+                submit(
+                    &mut q,
+                    c.buf.expect("data op returns its buffer"),
+                    slot,
+                    &mut started,
+                )?;
+            }
+        }
+    }
+    report.elapsed = t0.elapsed();
+    let cpu = thread_cpu_time() - cpu0;
+    report.cpu_us_per_io = cpu.as_secs_f64() * 1e6 / report.ios.max(1) as f64;
+    report.lat_p50_us = hist.value_at_quantile(0.5) as f64;
+    report.lat_p99_us = hist.value_at_quantile(0.99) as f64;
+    Ok(report)
+}
+
+/// Run the same workload with `fio` (io_uring engine, O_DIRECT) on `path`. Returns `Err` with
+/// the reason when fio is missing or fails.
+pub fn run_fio(path: &Path, spec: &Spec) -> std::result::Result<Report, String> {
+    let out = Command::new("fio")
+        .args([
+            "--name=nvstore-compare",
+            &format!("--filename={}", path.display()),
+            "--ioengine=io_uring",
+            "--direct=1",
+            "--registerfiles=1",
+            "--norandommap",
+            "--randrepeat=0",
+            "--time_based",
+            "--output-format=json",
+            &format!("--rw={}", spec.pattern.fio_rw()),
+            &format!("--bs={}", spec.io_bytes),
+            &format!("--iodepth={}", spec.depth),
+            &format!("--size={}", spec.span_bytes),
+            &format!("--runtime={}ms", spec.duration.as_millis()),
+        ])
+        .output()
+        .map_err(|e| format!("cannot run fio: {e} (install the fio package)"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "fio failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    parse_fio(&out.stdout, spec.pattern.is_read())
+}
+
+fn parse_fio(json: &[u8], read: bool) -> std::result::Result<Report, String> {
+    // fio may print warnings before the JSON document.
+    let start = json
+        .iter()
+        .position(|&b| b == b'{')
+        .ok_or("fio printed no JSON")?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&json[start..]).map_err(|e| format!("fio JSON: {e}"))?;
+    let job = &v["jobs"][0];
+    let dir = &job[if read { "read" } else { "write" }];
+    let num = |x: &serde_json::Value| x.as_f64().unwrap_or(0.0);
+    let ios = num(&dir["total_ios"]) as u64;
+    let runtime_ms = num(&dir["runtime"]);
+    let cpu_pct = num(&job["usr_cpu"]) + num(&job["sys_cpu"]);
+    let elapsed = Duration::from_secs_f64(runtime_ms / 1000.0);
+    let pct = &dir["clat_ns"]["percentile"];
+    Ok(Report {
+        ios,
+        bytes: num(&dir["io_bytes"]) as u64,
+        elapsed,
+        cpu_us_per_io: cpu_pct / 100.0 * elapsed.as_secs_f64() * 1e6 / ios.max(1) as f64,
+        lat_p50_us: num(&pct["50.000000"]) / 1000.0,
+        lat_p99_us: num(&pct["99.000000"]) / 1000.0,
+    })
+}
+
+/// Median of a non-empty list.
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+/// One workload's result: ours, and fio's (or why fio could not run).
+pub type Row = (Spec, Report, std::result::Result<Report, String>);
+
+/// The comparison table the driver benchmark prints: our FileDevice vs fio on the same file,
+/// interleaved `rounds` times, medians reported.
+pub fn compare_with_fio<D: BlockDevice>(
+    dev: &D,
+    path: &Path,
+    specs: &[Spec],
+    rounds: usize,
+) -> Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for spec in specs {
+        let mut ours = Vec::new();
+        let mut theirs = Vec::new();
+        for round in 0..rounds {
+            // Alternate who goes first: the device (and the host cache under a VM disk) warms
+            // up over a run, and the second runner would otherwise always get the warm device.
+            let fio = if round % 2 == 1 {
+                let f = run_fio(path, spec);
+                ours.push(run(dev, spec)?);
+                f
+            } else {
+                ours.push(run(dev, spec)?);
+                run_fio(path, spec)
+            };
+            match fio {
+                Ok(r) => theirs.push(r),
+                Err(e) => {
+                    theirs.clear();
+                    rows.push((spec.clone(), pick_median(ours.clone()), Err(e)));
+                    break;
+                }
+            }
+        }
+        if !theirs.is_empty() {
+            rows.push((spec.clone(), pick_median(ours), Ok(pick_median(theirs))));
+        }
+    }
+    Ok(rows)
+}
+
+/// The run with the median IOPS (keeps its latencies and CPU consistent with its rate).
+fn pick_median(mut runs: Vec<Report>) -> Report {
+    runs.sort_by(|a, b| a.iops().partial_cmp(&b.iops()).unwrap());
+    runs.swap_remove(runs.len() / 2)
+}
+
+/// Print the rows as a fixed-width table.
+pub fn print_table(rows: &[Row]) {
+    println!(
+        "{:<22} {:>10} {:>9} {:>8} {:>8} {:>8} | {:>10} {:>9} {:>8} {:>8} {:>8} | {:>6}",
+        "workload",
+        "IOPS",
+        "MB/s",
+        "p50 µs",
+        "p99 µs",
+        "cpu µs",
+        "fio IOPS",
+        "fio MB/s",
+        "p50 µs",
+        "p99 µs",
+        "cpu µs",
+        "ratio"
+    );
+    for (spec, ours, fio) in rows {
+        print!(
+            "{:<22} {:>10.0} {:>9.1} {:>8.1} {:>8.1} {:>8.2} | ",
+            spec.label(),
+            ours.iops(),
+            ours.mb_per_s(),
+            ours.lat_p50_us,
+            ours.lat_p99_us,
+            ours.cpu_us_per_io
+        );
+        match fio {
+            Ok(f) => println!(
+                "{:>10.0} {:>9.1} {:>8.1} {:>8.1} {:>8.2} | {:>5.2}x",
+                f.iops(),
+                f.mb_per_s(),
+                f.lat_p50_us,
+                f.lat_p99_us,
+                f.cpu_us_per_io,
+                ours.iops() / f.iops()
+            ),
+            Err(e) => println!("fio unavailable: {e}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_fio_json() {
+        let json = br#"fio: warning
+{"jobs":[{"usr_cpu":10.0,"sys_cpu":30.0,"read":{"total_ios":1000,"runtime":2000,
+"io_bytes":4096000,"clat_ns":{"percentile":{"50.000000":12000,"99.000000":50000}}}}]}"#;
+        let r = parse_fio(json, true).unwrap();
+        assert_eq!(r.ios, 1000);
+        assert_eq!(r.bytes, 4_096_000);
+        assert!((r.iops() - 500.0).abs() < 1e-9);
+        assert!((r.lat_p50_us - 12.0).abs() < 1e-9);
+        // 40 % of 2 s = 0.8 s of CPU over 1000 IOs = 800 µs each
+        assert!((r.cpu_us_per_io - 800.0).abs() < 1e-6);
+    }
+}
+
+/// The workloads the Foundation issue names: 4 KiB random read and write at QD1 and QD32,
+/// 128 KiB sequential write (QD8), over `span_bytes`.
+pub fn standard_specs(span_bytes: u64, duration: Duration) -> Vec<Spec> {
+    let spec = |pattern, io_bytes, depth| Spec {
+        pattern,
+        io_bytes,
+        depth,
+        span_bytes,
+        duration,
+        seed: 0x6e76_7374,
+    };
+    vec![
+        spec(Pattern::RandRead, 4096, 1),
+        spec(Pattern::RandRead, 4096, 32),
+        spec(Pattern::RandWrite, 4096, 1),
+        spec(Pattern::RandWrite, 4096, 32),
+        spec(Pattern::SeqWrite, 128 * 1024, 8),
+    ]
+}
+
+/// Write every byte of the first `span_bytes` (so reads hit allocated blocks, not holes that
+/// the file system answers without touching the disk), then flush.
+pub fn prefill<D: BlockDevice>(dev: &D, span_bytes: u64) -> Result<()> {
+    let chunk = dev.geometry().max_transfer_bytes.min(1 << 20);
+    let bs = dev.geometry().block_size as u64;
+    let mut q = dev.open_queue()?;
+    let mut buf = Some(dev.alloc_buf(chunk as usize)?);
+    buf.as_mut().unwrap().fill(0, chunk as usize, 0x5a);
+    let mut off = 0;
+    while off < span_bytes {
+        let req = Request::write(
+            off / bs,
+            (chunk as u64 / bs) as u32,
+            buf.take().unwrap(),
+            0,
+            false,
+            0,
+        );
+        let c = crate::io::execute(&mut q, req, Duration::from_secs(30));
+        c.result?;
+        buf = c.buf;
+        off += chunk as u64;
+    }
+    crate::io::flush(&mut q)
+}

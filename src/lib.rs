@@ -1,0 +1,4 @@
+//! nvstore: node, client, cluster map and the command-line interface.
+
+pub mod bench;
+pub mod cli;
