@@ -331,25 +331,6 @@ pub fn print_table(rows: &[Row]) {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_fio_json() {
-        let json = br#"fio: warning
-{"jobs":[{"usr_cpu":10.0,"sys_cpu":30.0,"read":{"total_ios":1000,"runtime":2000,
-"io_bytes":4096000,"clat_ns":{"percentile":{"50.000000":12000,"99.000000":50000}}}}]}"#;
-        let r = parse_fio(json, true).unwrap();
-        assert_eq!(r.ios, 1000);
-        assert_eq!(r.bytes, 4_096_000);
-        assert!((r.iops() - 500.0).abs() < 1e-9);
-        assert!((r.lat_p50_us - 12.0).abs() < 1e-9);
-        // 40 % of 2 s = 0.8 s of CPU over 1000 IOs = 800 µs each
-        assert!((r.cpu_us_per_io - 800.0).abs() < 1e-6);
-    }
-}
-
 /// The workloads the Foundation issue names: 4 KiB random read and write at QD1 and QD32,
 /// 128 KiB sequential write (QD8), over `span_bytes`.
 pub fn standard_specs(span_bytes: u64, duration: Duration) -> Vec<Spec> {
@@ -394,4 +375,23 @@ pub fn prefill<D: BlockDevice>(dev: &D, span_bytes: u64) -> Result<()> {
         off += chunk as u64;
     }
     crate::io::flush(&mut q)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_fio_json() {
+        let json = br#"fio: warning
+{"jobs":[{"usr_cpu":10.0,"sys_cpu":30.0,"read":{"total_ios":1000,"runtime":2000,
+"io_bytes":4096000,"clat_ns":{"percentile":{"50.000000":12000,"99.000000":50000}}}}]}"#;
+        let r = parse_fio(json, true).unwrap();
+        assert_eq!(r.ios, 1000);
+        assert_eq!(r.bytes, 4_096_000);
+        assert!((r.iops() - 500.0).abs() < 1e-9);
+        assert!((r.lat_p50_us - 12.0).abs() < 1e-9);
+        // 40 % of 2 s = 0.8 s of CPU over 1000 IOs = 800 µs each
+        assert!((r.cpu_us_per_io - 800.0).abs() < 1e-6);
+    }
 }
