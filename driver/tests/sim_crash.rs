@@ -243,7 +243,7 @@ fn bit_flips_change_live_and_durable_images() {
     let img = image(&d, 0, 4);
     let changed = img.iter().filter(|&&b| b != 0xff).count();
     assert!(
-        changed >= 1 && changed <= 5,
+        (1..=5).contains(&changed),
         "{changed} bytes changed by 5 flips"
     );
     for (byte, bit) in &flips {
