@@ -1,0 +1,188 @@
+//! The cleaner: when free segments run low, pick a victim by cost-benefit, find its live
+//! chunks by walking its batches and checking each against the index, and relocate them
+//! through the commit thread one object at a time (small steps, a bounded share of each commit
+//! round, so foreground IO is not stalled). A relocation commits only if the object is still in
+//! the state it was read in. Once a victim holds no live data it is freed as soon as the next
+//! checkpoint moves the replay start past it.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
+use driver::BlockDevice;
+
+use crate::commit::{
+    Base, ChunkSrc, DataRef, Msg, Mut, MutOp, Prepared, PutState, TxnResult, XattrSrc,
+};
+use crate::error::Result;
+use crate::format::{ChunkRef, SEGMENT_LOG};
+use crate::key::ObjectKey;
+use crate::meta::{decode_records, Record};
+use crate::stream::{parse_segment_header, read_region};
+use crate::Shared;
+
+/// How often the cleaner looks at free space when nothing wakes it.
+const CLEANER_PERIOD: Duration = Duration::from_millis(20);
+
+pub(crate) struct Cleaner<D: BlockDevice> {
+    sh: Arc<Shared<D>>,
+    bg: Sender<Msg>,
+    q: D::Queue,
+}
+
+impl<D: BlockDevice> Cleaner<D> {
+    pub(crate) fn new(sh: Arc<Shared<D>>, bg: Sender<Msg>) -> Result<Self> {
+        let q = sh.dev.open_queue()?;
+        Ok(Cleaner { sh, bg, q })
+    }
+
+    /// Clean while free space is below the target: 2× the reserve plus 5 % of the device.
+    fn wants_cleaning(&self) -> Option<u32> {
+        let segs = self.sh.segs.lock().unwrap();
+        let target = segs.reserve * 2 + segs.count() / 20;
+        if segs.free_count() + segs.pinned_dead(segs.replay_start) >= target {
+            return None;
+        }
+        let now = self.sh.stats.next_op_seq.get();
+        let head = segs.head;
+        segs.pick_victim(now, &[head])
+    }
+
+    pub(crate) fn run(mut self, stop: Receiver<()>) {
+        loop {
+            match stop.recv_timeout(CLEANER_PERIOD) {
+                Err(RecvTimeoutError::Timeout) => {}
+                _ => return,
+            }
+            while let Some(victim) = self.wants_cleaning() {
+                if stop.try_recv() != Err(crossbeam::channel::TryRecvError::Empty) {
+                    return;
+                }
+                match self.clean(victim) {
+                    Ok(true) => self.sh.stats.cleaned_segments.inc(),
+                    Ok(false) => break,
+                    Err(e) => {
+                        tracing::warn!(segment = victim, error = %e, "cleaning failed");
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Relocate every live chunk out of `seg`. Returns whether the segment ended with no live
+    /// data.
+    fn clean(&mut self, seg: u32) -> Result<bool> {
+        let layout = self.sh.layout;
+        let base = layout.segment_base(seg);
+        let image = read_region(&self.sh.dev, &mut self.q, base, layout.segment_bytes)?;
+        let Some(h) = parse_segment_header(&image) else {
+            return Ok(false);
+        };
+        if h.kind.get() != SEGMENT_LOG {
+            return Ok(false);
+        }
+        // Walk the batches in the segment; collect keys that have records here.
+        let mut keys: BTreeMap<ObjectKey, ()> = BTreeMap::new();
+        let mut off = layout.block;
+        while off + layout.block <= layout.segment_bytes {
+            let Ok((bh, _)) = <crate::format::BatchHeader as zerocopy::FromBytes>::read_from_prefix(
+                &image[off as usize..],
+            ) else {
+                break;
+            };
+            if !bh.is_valid() || bh.stream_id.get() != h.stream_id.get() {
+                break;
+            }
+            let total = layout.batch_bytes(bh.meta_bytes.get() as u64, bh.data_bytes.get() as u64);
+            if off + total > layout.segment_bytes {
+                break;
+            }
+            let meta = &image[off as usize + 64..off as usize + 64 + bh.meta_bytes.get() as usize];
+            if crc32c::crc32c(meta) == bh.meta_crc.get() {
+                if let Ok(recs) = decode_records(meta, bh.record_count.get()) {
+                    for r in recs {
+                        if let Record::State { key, .. } = r {
+                            keys.insert(key, ());
+                        }
+                    }
+                }
+            }
+            off += total;
+        }
+        let in_seg = |r: &ChunkRef| r.len.get() > 0 && layout.segment_of(r.offset.get()) == seg;
+        for key in keys.into_keys() {
+            let Some(m) = self.sh.index.get(&key).map(|e| e.value().clone()) else {
+                continue;
+            };
+            if !m.chunks.iter().chain([&m.xattrs]).any(in_seg) {
+                continue;
+            }
+            let take = |r: &ChunkRef| -> Option<Vec<u8>> {
+                let at = (r.offset.get() - base) as usize;
+                let bytes = &image[at..at + r.len.get() as usize];
+                // A corrupt chunk is not relocated: scrub and reads report it.
+                (crc32c::crc32c(bytes) == r.crc.get()).then(|| bytes.to_vec())
+            };
+            let mut chunks = Vec::with_capacity(m.chunks.len());
+            let mut ok = true;
+            for r in m.chunks.iter() {
+                chunks.push(if r.len.get() == 0 {
+                    ChunkSrc::Hole
+                } else if in_seg(r) {
+                    match take(r) {
+                        Some(v) => ChunkSrc::New(DataRef::Owned(v)),
+                        None => {
+                            ok = false;
+                            ChunkSrc::Keep(*r)
+                        }
+                    }
+                } else {
+                    ChunkSrc::Keep(*r)
+                });
+            }
+            let xattrs = if in_seg(&m.xattrs) {
+                match take(&m.xattrs) {
+                    Some(v) => XattrSrc::New(v),
+                    None => {
+                        ok = false;
+                        XattrSrc::Keep(m.xattrs)
+                    }
+                }
+            } else if m.xattrs.len.get() == 0 {
+                XattrSrc::None
+            } else {
+                XattrSrc::Keep(m.xattrs)
+            };
+            if !ok {
+                self.sh.stats.corrupt_reads.inc();
+                tracing::warn!(%key, segment = seg, "corrupt chunk left in place by the cleaner");
+            }
+            let txn = Prepared {
+                muts: vec![Mut {
+                    key: key.clone(),
+                    base: Base::Seq(m.state_seq),
+                    op: MutOp::Put(PutState {
+                        size: m.size,
+                        chunks,
+                        xattrs,
+                        relocation: true,
+                    }),
+                }],
+                background: true,
+            };
+            let (tx, rx) = crossbeam::channel::bounded(1);
+            if self.bg.send(Msg::Txn(Box::new(txn), tx)).is_err() {
+                return Ok(false);
+            }
+            match rx.recv() {
+                Ok(TxnResult::Committed { .. }) | Ok(TxnResult::Conflict) => {}
+                Ok(TxnResult::Failed(e)) => return Err(e),
+                Err(_) => return Ok(false),
+            }
+        }
+        let segs = self.sh.segs.lock().unwrap();
+        Ok(segs.infos[seg as usize].live_bytes == 0)
+    }
+}

@@ -1,0 +1,983 @@
+//! The commit thread: group commit, the log writer, index updates and checkpoints.
+//!
+//! # Policy (nothing durable waits for a timer)
+//! The thread sleeps only when it has nothing to do. When a transaction arrives it takes it and
+//! everything else already queued (up to [`ROUND_TXNS_MAX`] / `round_bytes_max`), lays them out
+//! as batches at the log head, writes them, and makes them durable with one flush (or one FUA
+//! write when the round is a single write). While that round is on the device, new arrivals
+//! queue up and become the next round the moment it finishes: the batch grows with the load
+//! and a lone writer pays one device write + flush. Only after the round is durable are the
+//! new states published in the index and the waiters released: acknowledged = durable, and
+//! readers never see data a crash could take back.
+//!
+//! Transactions in one round touch disjoint objects (a second transaction on an object in the
+//! round waits for the next round), so every transaction is checked against the index as the
+//! previous rounds left it.
+
+use std::collections::{HashSet, VecDeque};
+use std::ops::Bound;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crossbeam::channel::{Receiver, Sender};
+use driver::BlockDevice;
+use zerocopy::IntoBytes;
+
+use crate::emit::Emitter;
+use crate::error::{Result, StoreError};
+use crate::format::{
+    round_up, ChunkRef, Superblock, NO_SEGMENT, SEGMENT_CHECKPOINT, SUPERBLOCK_OFFSETS,
+};
+use crate::key::ObjectKey;
+use crate::meta::{encode_remove, encode_state, remove_record_len, state_record_len, ObjectMeta};
+use crate::space::SegState;
+use crate::stream::{batch_header, Pos, StreamHead};
+use crate::Shared;
+
+/// Most transactions in one round.
+pub const ROUND_TXNS_MAX: usize = 4096;
+
+/// Caller memory lent to the commit thread while the caller blocks in `Store::commit`.
+pub(crate) struct Lent {
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: a Lent is created only by Store::commit from a slice that outlives the call, and the
+// caller blocks until the commit thread has replied — after which the thread holds no Lent.
+unsafe impl Send for Lent {}
+
+impl Lent {
+    /// # Safety
+    /// `s` must stay valid and unmodified until the commit thread replies to the transaction.
+    pub(crate) unsafe fn new(s: &[u8]) -> Self {
+        Lent {
+            ptr: s.as_ptr(),
+            len: s.len(),
+        }
+    }
+
+    fn get(&self) -> &[u8] {
+        // SAFETY: see `new`: the slice is alive while the transaction is unanswered.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+/// The bytes of a lent slice.
+pub(crate) fn lent_bytes(l: &Lent) -> &[u8] {
+    l.get()
+}
+
+pub(crate) enum DataRef {
+    Lent(Lent),
+    Owned(Vec<u8>),
+}
+
+impl DataRef {
+    pub(crate) fn bytes(&self) -> &[u8] {
+        match self {
+            DataRef::Lent(l) => l.get(),
+            DataRef::Owned(v) => v,
+        }
+    }
+}
+
+pub(crate) enum ChunkSrc {
+    Keep(ChunkRef),
+    New(DataRef),
+    Hole,
+}
+
+pub(crate) enum XattrSrc {
+    Keep(ChunkRef),
+    /// Whatever the object has when the transaction commits (blind writes).
+    Current,
+    New(Vec<u8>),
+    None,
+}
+
+/// What a transaction requires of an object's state when it commits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Base {
+    Any,
+    Absent,
+    Seq(u64),
+}
+
+pub(crate) struct PutState {
+    pub size: u64,
+    pub chunks: Vec<ChunkSrc>,
+    pub xattrs: XattrSrc,
+    /// A relocation: the user-visible version and mtime stay.
+    pub relocation: bool,
+}
+
+pub(crate) enum MutOp {
+    Remove,
+    Put(PutState),
+}
+
+pub(crate) struct Mut {
+    pub key: ObjectKey,
+    pub base: Base,
+    pub op: MutOp,
+}
+
+pub(crate) struct Prepared {
+    pub muts: Vec<Mut>,
+    pub background: bool,
+}
+
+pub(crate) enum TxnResult {
+    Committed {
+        version: u64,
+    },
+    /// An object changed since the transaction was prepared: prepare again.
+    Conflict,
+    Failed(StoreError),
+}
+
+pub(crate) enum Msg {
+    Txn(Box<Prepared>, Sender<TxnResult>),
+    Checkpoint(Sender<Result<()>>),
+}
+
+/// A transaction that passed its checks, with everything needed to write and apply it.
+struct Accepted {
+    txn: Box<Prepared>,
+    reply: Sender<TxnResult>,
+    seq: u64,
+    /// Index state of each mut's object when checked.
+    cur: Vec<Option<Arc<ObjectMeta>>>,
+    /// Placed data: per mut, the refs of its new chunks (by chunk index) and xattr blob.
+    placed: Vec<(Vec<ChunkRef>, ChunkRef)>,
+    new_metas: Vec<Option<Arc<ObjectMeta>>>,
+}
+
+/// One data item of a round: (txn index, mut index, chunk index or usize::MAX for xattrs).
+type Item = (usize, usize, usize);
+
+struct Checkpointing {
+    id: u64,
+    head: StreamHead,
+    start: Pos,
+    next_op_seq: u64,
+    first_seg: u32,
+    cursor: Option<ObjectKey>,
+    batches: u32,
+    objects: u64,
+    waiters: Vec<Sender<Result<()>>>,
+}
+
+pub(crate) struct Committer<D: BlockDevice> {
+    sh: Arc<Shared<D>>,
+    em: Emitter<D>,
+    log: StreamHead,
+    sb: Superblock,
+    next_op_seq: u64,
+    deferred: VecDeque<(Box<Prepared>, Sender<TxnResult>)>,
+    ckpt: Option<Checkpointing>,
+    ckpt_requests: Vec<Sender<Result<()>>>,
+    log_bytes_since_ckpt: u64,
+    failed: Option<String>,
+}
+
+pub(crate) fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+/// CRC32C of `n` zero bytes.
+fn zeros_crc(mut n: u64) -> u32 {
+    static ZEROS: [u8; 4096] = [0; 4096];
+    let mut crc = 0;
+    while n > 0 {
+        let k = n.min(4096);
+        crc = crc32c::crc32c_append(crc, &ZEROS[..k as usize]);
+        n -= k;
+    }
+    crc
+}
+
+/// CRC32C of an object's content from its chunk refs.
+pub(crate) fn object_crc(chunks: &[ChunkRef], size: u64, chunk_bytes: u64) -> u32 {
+    let mut crc = 0u32;
+    for (i, c) in chunks.iter().enumerate() {
+        let want = chunk_bytes.min(size - i as u64 * chunk_bytes);
+        let part = if c.len.get() == 0 {
+            zeros_crc(want)
+        } else {
+            c.crc.get()
+        };
+        crc = crc32c::crc32c_combine(crc, part, want as usize);
+    }
+    crc
+}
+
+impl<D: BlockDevice> Committer<D> {
+    pub(crate) fn new(
+        sh: Arc<Shared<D>>,
+        log: StreamHead,
+        sb: Superblock,
+        next_op_seq: u64,
+    ) -> Result<Self> {
+        let em = Emitter::new(&sh.dev, sh.config.staging_bytes)?;
+        Ok(Committer {
+            sh,
+            em,
+            log,
+            sb,
+            next_op_seq,
+            deferred: VecDeque::new(),
+            ckpt: None,
+            ckpt_requests: Vec::new(),
+            log_bytes_since_ckpt: 0,
+            failed: None,
+        })
+    }
+
+    /// The thread's loop. The store keeps a background sender for as long as the user channel
+    /// is open, so `bg` never reports disconnection while the thread runs.
+    pub(crate) fn run(mut self, user: Receiver<Msg>, bg: Receiver<Msg>) {
+        loop {
+            let busy = self.ckpt.is_some() || !self.deferred.is_empty();
+            let first = if busy {
+                user.try_recv().or_else(|_| bg.try_recv()).ok()
+            } else {
+                crossbeam::select! {
+                    recv(user) -> m => match m { Ok(m) => Some(m), Err(_) => return self.shutdown() },
+                    recv(bg) -> m => m.ok(),
+                }
+            };
+            let mut round = Vec::new();
+            if let Some(m) = first {
+                self.take(m, &mut round);
+            }
+            self.gather(&user, &bg, &mut round);
+            if !round.is_empty() {
+                self.round(round);
+            }
+            if self.ckpt.is_some() {
+                self.checkpoint_step();
+            } else if self.checkpoint_due() {
+                self.checkpoint_begin();
+            }
+            if user.is_empty() && self.deferred.is_empty() && self.ckpt.is_none() && bg.is_empty() {
+                // Idle: publish counters; nothing else to do until a message arrives.
+                self.publish_stats();
+            }
+        }
+    }
+
+    fn shutdown(mut self) {
+        // Finish an in-progress checkpoint so the next open replays little.
+        while self.ckpt.is_some() && self.failed.is_none() {
+            self.checkpoint_step();
+        }
+        self.publish_stats();
+    }
+
+    fn take(&mut self, m: Msg, round: &mut Vec<(Box<Prepared>, Sender<TxnResult>)>) {
+        match m {
+            Msg::Txn(t, r) => round.push((t, r)),
+            Msg::Checkpoint(r) => match &mut self.ckpt {
+                Some(c) => c.waiters.push(r),
+                None => self.ckpt_requests.push(r),
+            },
+        }
+    }
+
+    /// Add deferred and queued transactions to the round, keeping objects disjoint.
+    fn gather(
+        &mut self,
+        user: &Receiver<Msg>,
+        bg: &Receiver<Msg>,
+        round: &mut Vec<(Box<Prepared>, Sender<TxnResult>)>,
+    ) {
+        let mut incoming: Vec<_> = std::mem::take(round);
+        incoming.splice(0..0, self.deferred.drain(..));
+        let max_bytes = self.sh.config.round_bytes_max;
+        let bytes = std::cell::Cell::new(0u64);
+        let bg_bytes = std::cell::Cell::new(0u64);
+        let mut keys: HashSet<ObjectKey> = HashSet::new();
+        let mut admit = |t: Box<Prepared>,
+                         r: Sender<TxnResult>,
+                         round: &mut Vec<_>,
+                         deferred: &mut VecDeque<_>| {
+            let size = txn_bytes(&t);
+            let clash = t.muts.iter().any(|m| keys.contains(&m.key));
+            let full = round.len() >= ROUND_TXNS_MAX
+                || (!round.is_empty() && bytes.get() + size > max_bytes);
+            if clash || full {
+                deferred.push_back((t, r));
+                return false;
+            }
+            for m in &t.muts {
+                keys.insert(m.key.clone());
+            }
+            bytes.set(bytes.get() + size);
+            if t.background {
+                bg_bytes.set(bg_bytes.get() + size);
+            }
+            round.push((t, r));
+            true
+        };
+        for (t, r) in incoming {
+            admit(t, r, round, &mut self.deferred);
+        }
+        while self.deferred.is_empty() {
+            let Ok(m) = user.try_recv() else { break };
+            match m {
+                Msg::Txn(t, r) => {
+                    if !admit(t, r, round, &mut self.deferred) {
+                        break;
+                    }
+                }
+                other => self.take(other, round),
+            }
+        }
+        // Background work (cleaner relocations) gets a bounded share of each round.
+        let bg_cap = (max_bytes / 4).max(1 << 20);
+        while self.deferred.is_empty() && bg_bytes.get() < bg_cap {
+            let Ok(m) = bg.try_recv() else { break };
+            match m {
+                Msg::Txn(t, r) => {
+                    if !admit(t, r, round, &mut self.deferred) {
+                        break;
+                    }
+                }
+                other => self.take(other, round),
+            }
+        }
+    }
+
+    fn round(&mut self, round: Vec<(Box<Prepared>, Sender<TxnResult>)>) {
+        if let Some(why) = &self.failed {
+            for (_, r) in round {
+                let _ = r.send(TxnResult::Failed(StoreError::Invalid(format!(
+                    "the store stopped accepting writes after a device write failed: {why}"
+                ))));
+            }
+            return;
+        }
+        let mut accepted = Vec::new();
+        let mut need = 0u64;
+        for (txn, reply) in round {
+            match self.check(&txn, need) {
+                Ok(cur) => {
+                    need += txn_bytes(&txn) + 4096;
+                    let seq = self.next_op_seq;
+                    self.next_op_seq += 1;
+                    let n = txn.muts.len();
+                    accepted.push(Accepted {
+                        txn,
+                        reply,
+                        seq,
+                        cur,
+                        placed: (0..n).map(|_| (Vec::new(), ChunkRef::default())).collect(),
+                        new_metas: vec![None; n],
+                    });
+                }
+                Err(res) => {
+                    drop(txn);
+                    let _ = reply.send(res);
+                }
+            }
+        }
+        if accepted.is_empty() {
+            return;
+        }
+        let written = self.write_round(&mut accepted);
+        match written.and_then(|()| self.em.finish_round()) {
+            Ok(()) => self.apply(accepted),
+            Err(e) => {
+                let why = e.to_string();
+                tracing::error!(error = %why, "log write failed; the store now refuses writes");
+                self.failed = Some(why.clone());
+                for a in accepted {
+                    let Accepted { txn, reply, .. } = a;
+                    drop(txn);
+                    let _ = reply.send(TxnResult::Failed(StoreError::Invalid(format!(
+                        "log write failed: {why}"
+                    ))));
+                }
+            }
+        }
+    }
+
+    /// Check a transaction against the index and free space. `need` is what the round already
+    /// takes.
+    fn check(&self, txn: &Prepared, need: u64) -> Result<Vec<Option<Arc<ObjectMeta>>>, TxnResult> {
+        let mut cur = Vec::with_capacity(txn.muts.len());
+        for m in &txn.muts {
+            let now = self.sh.index.get(&m.key).map(|e| e.value().clone());
+            let ok = match (m.base, &now) {
+                (Base::Any, _) => true,
+                (Base::Absent, None) => true,
+                (Base::Seq(s), Some(meta)) => meta.state_seq == s,
+                _ => false,
+            };
+            if !ok {
+                if txn.background {
+                    self.sh.stats.reloc_conflicts.inc();
+                }
+                return Err(TxnResult::Conflict);
+            }
+            cur.push(now);
+        }
+        let segs = self.sh.segs.lock().unwrap();
+        let usable = self.log.layout.segment_bytes - self.log.layout.block;
+        let bytes = need + txn_bytes(txn) + 4096;
+        let here = self
+            .log
+            .layout
+            .segment_bytes
+            .saturating_sub(self.log.pos.off.max(self.log.layout.block));
+        let segments = bytes.saturating_sub(here).div_ceil(usable) + 1;
+        if !segs.can_take(segments, txn.background) {
+            let mut r = segs.report(self.sb.replay_batch_seq.get());
+            r.segments_reclaimable = segs.pinned_dead(self.sb.replay_batch_seq.get());
+            return Err(TxnResult::Failed(StoreError::OutOfSpace {
+                device: self.sh.name.clone(),
+                used: r.segments_total - r.segments_free,
+                total: r.segments_total,
+                reclaimable: r.segments_reclaimable,
+                reserve: r.segments_reserve,
+            }));
+        }
+        Ok(cur)
+    }
+
+    /// Lay the round out as batches at the log head and submit the writes.
+    fn write_round(&mut self, acc: &mut [Accepted]) -> Result<()> {
+        let block = self.log.layout.block;
+        let min_room = 64 * 1024 + 2 * block;
+        let cap_max = self.sh.config.batch_bytes_max;
+        let mut items: Vec<Item> = Vec::new();
+        let mut recs: Vec<usize> = Vec::new();
+        let (mut meta_len, mut data_len) = (0u64, 0u64);
+        let room = |log: &StreamHead| {
+            let off = log.pos.off.max(block);
+            let left = log.layout.segment_bytes - off;
+            let left = if left < min_room {
+                log.layout.segment_bytes - block
+            } else {
+                left
+            };
+            left.min(cap_max)
+        };
+        let mut cap = room(&self.log);
+        for t in 0..acc.len() {
+            let mut txn_items: Vec<(usize, usize, usize)> = Vec::new();
+            for (m, mu) in acc[t].txn.muts.iter().enumerate() {
+                let MutOp::Put(p) = &mu.op else { continue };
+                for (i, c) in p.chunks.iter().enumerate() {
+                    if matches!(c, ChunkSrc::New(_)) {
+                        txn_items.push((m, i, chunk_len(c)));
+                    }
+                }
+                if matches!(p.xattrs, XattrSrc::New(_)) {
+                    txn_items.push((m, usize::MAX, xattr_len(&p.xattrs)));
+                }
+            }
+            {
+                for (m, i, len) in txn_items {
+                    let size = round_up(len as u64, block);
+                    if self.log.layout.batch_bytes(meta_len, data_len + size) > cap {
+                        self.emit_batch(acc, &mut items, &mut recs, meta_len, data_len)?;
+                        (meta_len, data_len) = (0, 0);
+                        cap = room(&self.log);
+                    }
+                    items.push((t, m, i));
+                    data_len += size;
+                }
+            }
+            let rl = records_len(&acc[t].txn) as u64;
+            if (!recs.is_empty() || !items.is_empty())
+                && self.log.layout.batch_bytes(meta_len + rl, data_len) > cap
+            {
+                self.emit_batch(acc, &mut items, &mut recs, meta_len, data_len)?;
+                (meta_len, data_len) = (0, 0);
+                cap = room(&self.log);
+            }
+            if self.log.layout.batch_bytes(meta_len + rl, data_len) > cap {
+                return Err(StoreError::TooLarge {
+                    what: "transaction metadata",
+                    size: rl,
+                    max: cap / 2,
+                });
+            }
+            recs.push(t);
+            meta_len += rl;
+        }
+        self.emit_batch(acc, &mut items, &mut recs, meta_len, data_len)
+    }
+
+    /// Place, encode and submit one batch.
+    fn emit_batch(
+        &mut self,
+        acc: &mut [Accepted],
+        items: &mut Vec<Item>,
+        recs: &mut Vec<usize>,
+        meta_len: u64,
+        data_len: u64,
+    ) -> Result<()> {
+        if items.is_empty() && recs.is_empty() {
+            return Ok(());
+        }
+        let layout = self.log.layout;
+        let bytes = layout.batch_bytes(meta_len, data_len);
+        let placement = {
+            let mut segs = self.sh.segs.lock().unwrap();
+            self.log.place(bytes, &mut segs, now_ns())?
+        };
+        if let Some((at, h)) = placement.segment_header {
+            self.em.begin(at)?;
+            self.em.put(h.as_bytes())?;
+            self.em.pad_to_block()?;
+        }
+        let data_start = placement.offset + round_up(64 + meta_len, layout.block);
+        let mut at = data_start;
+        let mut data_crc = 0u32;
+        for &(t, m, i) in items.iter() {
+            let bytes = item_bytes(&acc[t], m, i);
+            let crc = crc32c::crc32c(bytes);
+            let len = bytes.len() as u64;
+            let padded = round_up(len, layout.block);
+            data_crc = crc32c::crc32c_combine(data_crc, crc, len as usize);
+            data_crc =
+                crc32c::crc32c_combine(data_crc, zeros_crc(padded - len), (padded - len) as usize);
+            let r = ChunkRef {
+                offset: at.into(),
+                len: (len as u32).into(),
+                crc: crc.into(),
+            };
+            let (chunks, xattr) = &mut acc[t].placed[m];
+            if i == usize::MAX {
+                *xattr = r;
+            } else {
+                if chunks.len() <= i {
+                    chunks.resize(i + 1, ChunkRef::default());
+                }
+                chunks[i] = r;
+            }
+            at += padded;
+        }
+        debug_assert_eq!(at - data_start, data_len);
+        let mut meta = Vec::with_capacity(meta_len as usize);
+        let mut count = 0u32;
+        for &t in recs.iter() {
+            count += self.encode_txn(&mut acc[t], &mut meta);
+        }
+        debug_assert_eq!(meta.len() as u64, meta_len);
+        let h = batch_header(
+            self.log.stream_id,
+            self.log.pos.batch_seq - 1,
+            self.log.gen,
+            count,
+            &meta,
+            data_len,
+            data_crc,
+        );
+        self.em.begin(placement.offset)?;
+        self.em.put(h.as_bytes())?;
+        self.em.put(&meta)?;
+        self.em.pad_to_block()?;
+        for &(t, m, i) in items.iter() {
+            self.em.put(item_bytes(&acc[t], m, i))?;
+            self.em.pad_to_block()?;
+        }
+        self.log_bytes_since_ckpt += bytes;
+        self.sh.stats.batches.inc();
+        items.clear();
+        recs.clear();
+        Ok(())
+    }
+
+    /// Build the new states of a transaction's objects and encode their records.
+    fn encode_txn(&self, a: &mut Accepted, out: &mut Vec<u8>) -> u32 {
+        let cb = self.sh.chunk_bytes;
+        let now = now_ns();
+        for (m, mu) in a.txn.muts.iter().enumerate() {
+            match &mu.op {
+                MutOp::Remove => {
+                    encode_remove(&mu.key, a.seq, a.seq, out);
+                }
+                MutOp::Put(p) => {
+                    let (placed, placed_x) = &a.placed[m];
+                    let chunks: Box<[ChunkRef]> = p
+                        .chunks
+                        .iter()
+                        .enumerate()
+                        .map(|(i, c)| match c {
+                            ChunkSrc::Keep(r) => *r,
+                            ChunkSrc::Hole => ChunkRef::default(),
+                            ChunkSrc::New(_) => placed[i],
+                        })
+                        .collect();
+                    let xattrs = match &p.xattrs {
+                        XattrSrc::Keep(r) => *r,
+                        XattrSrc::Current => {
+                            a.cur[m].as_ref().map(|c| c.xattrs).unwrap_or_default()
+                        }
+                        XattrSrc::New(_) => *placed_x,
+                        XattrSrc::None => ChunkRef::default(),
+                    };
+                    let cur = a.cur[m].as_ref();
+                    let (version, mtime) = match (p.relocation, cur) {
+                        (true, Some(c)) => (c.version, c.mtime_unix_ns),
+                        _ => (a.seq, now),
+                    };
+                    let meta = ObjectMeta {
+                        version,
+                        state_seq: a.seq,
+                        size: p.size,
+                        mtime_unix_ns: mtime,
+                        data_crc: object_crc(&chunks, p.size, cb),
+                        chunks,
+                        xattrs,
+                    };
+                    encode_state(&mu.key, &meta, out);
+                    a.new_metas[m] = Some(Arc::new(meta));
+                }
+            }
+        }
+        a.txn.muts.len() as u32
+    }
+
+    /// Publish the durable round: index, segment liveness, waiters.
+    fn apply(&mut self, accepted: Vec<Accepted>) {
+        let layout = self.log.layout;
+        let block = layout.block;
+        let live = |r: &ChunkRef| {
+            (r.len.get() > 0).then(|| {
+                (
+                    layout.segment_of(r.offset.get()),
+                    round_up(r.len.get() as u64, block),
+                )
+            })
+        };
+        let mut user_bytes = 0u64;
+        for a in accepted {
+            {
+                let mut segs = self.sh.segs.lock().unwrap();
+                for (m, mu) in a.txn.muts.iter().enumerate() {
+                    if let Some(old) = &a.cur[m] {
+                        for (seg, n) in old.chunks.iter().chain([&old.xattrs]).filter_map(live) {
+                            segs.sub_live(seg, n);
+                        }
+                    }
+                    if let Some(new) = &a.new_metas[m] {
+                        for (seg, n) in new.chunks.iter().chain([&new.xattrs]).filter_map(live) {
+                            segs.add_live(seg, n, a.seq);
+                        }
+                    }
+                    if let MutOp::Put(p) = &mu.op {
+                        let n: u64 = p.chunks.iter().map(|c| chunk_len(c) as u64).sum();
+                        if p.relocation {
+                            self.sh.stats.relocated_bytes.add(n);
+                        } else {
+                            user_bytes += n;
+                        }
+                    }
+                }
+            }
+            for (m, mu) in a.txn.muts.iter().enumerate() {
+                match &a.new_metas[m] {
+                    Some(meta) => {
+                        self.sh.index.insert(mu.key.clone(), meta.clone());
+                    }
+                    None => {
+                        self.sh.index.remove(&mu.key);
+                    }
+                }
+            }
+            let version = a.seq;
+            // Drop the transaction (and the caller memory it borrows) before releasing the caller.
+            let Accepted { txn, reply, .. } = a;
+            let background = txn.background;
+            drop(txn);
+            if !background {
+                self.sh.stats.txns.inc();
+            }
+            let _ = reply.send(TxnResult::Committed { version });
+        }
+        self.sh.stats.user_bytes.add(user_bytes);
+        self.sh.stats.rounds.inc();
+        self.publish_stats();
+    }
+
+    fn publish_stats(&self) {
+        let s = &self.sh.stats;
+        s.device_bytes_written.set(self.em.bytes_written);
+        s.flushes.set(self.em.flushes);
+        s.fua_rounds.set(self.em.fua_rounds);
+        s.next_op_seq.set(self.next_op_seq);
+        s.replay_start_batch.set(self.sb.replay_batch_seq.get());
+        s.log_head_batch.set(self.log.pos.batch_seq);
+    }
+
+    fn checkpoint_due(&mut self) -> bool {
+        if self.sb.flags.get() & crate::format::SB_FLAG_NO_CHECKPOINTS != 0 {
+            for r in self.ckpt_requests.drain(..) {
+                let _ = r.send(Err(StoreError::Invalid(
+                    "checkpoints are disabled on this store".into(),
+                )));
+            }
+            return false;
+        }
+        if !self.ckpt_requests.is_empty() {
+            return true;
+        }
+        if self.log_bytes_since_ckpt >= self.sh.config.checkpoint_interval_bytes {
+            return true;
+        }
+        // The cleaner freed segments that only a checkpoint can release.
+        let segs = self.sh.segs.lock().unwrap();
+        let pinned = segs.pinned_dead(self.sb.replay_batch_seq.get());
+        pinned > 0 && segs.free_count() < segs.reserve * 3 && self.log_bytes_since_ckpt > 0
+    }
+
+    fn checkpoint_begin(&mut self) {
+        if self.failed.is_some() {
+            return;
+        }
+        let first = {
+            let mut segs = self.sh.segs.lock().unwrap();
+            segs.alloc(true)
+        };
+        let Some(first) = first else {
+            tracing::error!("no segment free for a checkpoint");
+            for r in self.ckpt_requests.drain(..) {
+                let _ = r.send(Err(StoreError::Invalid(
+                    "no free segment for a checkpoint".into(),
+                )));
+            }
+            return;
+        };
+        let id = rand::random::<u64>() | 1;
+        let head = StreamHead {
+            layout: self.log.layout,
+            stream_id: id,
+            kind: SEGMENT_CHECKPOINT,
+            gen: self.log.gen,
+            pos: Pos {
+                seg: first,
+                off: 0,
+                seg_seq: 1,
+                batch_seq: 1,
+                next_seg: NO_SEGMENT,
+            },
+            use_reserve: true,
+        };
+        self.ckpt = Some(Checkpointing {
+            id,
+            head,
+            start: self.log.pos,
+            next_op_seq: self.next_op_seq,
+            first_seg: first,
+            cursor: None,
+            batches: 0,
+            objects: 0,
+            waiters: std::mem::take(&mut self.ckpt_requests),
+        });
+        self.log_bytes_since_ckpt = 0;
+    }
+
+    /// Write the next slice of the checkpoint (a few MiB), between rounds of foreground work.
+    fn checkpoint_step(&mut self) {
+        let res = self.checkpoint_slice();
+        match res {
+            Ok(false) => {}
+            Ok(true) => {
+                let c = self.ckpt.take().unwrap();
+                self.sh.stats.checkpoints.inc();
+                for w in c.waiters {
+                    let _ = w.send(Ok(()));
+                }
+            }
+            Err(e) => {
+                let why = e.to_string();
+                tracing::error!(error = %why, "checkpoint failed");
+                let c = self.ckpt.take().unwrap();
+                {
+                    let mut segs = self.sh.segs.lock().unwrap();
+                    segs.free_checkpoint(c.id);
+                    if segs.infos[c.first_seg as usize].state == SegState::Reserved {
+                        segs.set_state(c.first_seg, SegState::Free);
+                    }
+                }
+                for w in c.waiters {
+                    let _ = w.send(Err(StoreError::Invalid(format!(
+                        "checkpoint failed: {why}"
+                    ))));
+                }
+            }
+        }
+    }
+
+    /// Returns Ok(true) when the checkpoint is complete and durable.
+    fn checkpoint_slice(&mut self) -> Result<bool> {
+        const SLICE_BYTES: u64 = 4 << 20;
+        let c = self.ckpt.as_mut().unwrap();
+        let layout = c.head.layout;
+        let batch_max = (1u64 << 20).min(layout.segment_bytes / 2);
+        let mut written = 0u64;
+        let mut finished = false;
+        while written < SLICE_BYTES {
+            let mut meta = Vec::new();
+            let mut count = 0u32;
+            let lower = match &c.cursor {
+                Some(k) => Bound::Excluded(k.clone()),
+                None => Bound::Unbounded,
+            };
+            let mut last = None;
+            for e in self.sh.index.range((lower, Bound::Unbounded)) {
+                let m = e.value();
+                encode_state(e.key(), m, &mut meta);
+                count += 1;
+                last = Some(e.key().clone());
+                if layout.batch_bytes(meta.len() as u64, 0) >= batch_max - 64 * 1024 {
+                    break;
+                }
+            }
+            if count == 0 {
+                finished = true;
+                break;
+            }
+            c.cursor = last;
+            let bytes = layout.batch_bytes(meta.len() as u64, 0);
+            let placement = {
+                let mut segs = self.sh.segs.lock().unwrap();
+                c.head.place(bytes, &mut segs, now_ns())?
+            };
+            if let Some((at, h)) = placement.segment_header {
+                self.em.begin(at)?;
+                self.em.put(h.as_bytes())?;
+                self.em.pad_to_block()?;
+            }
+            let h = batch_header(
+                c.id,
+                c.head.pos.batch_seq - 1,
+                c.head.gen,
+                count,
+                &meta,
+                0,
+                0,
+            );
+            self.em.begin(placement.offset)?;
+            self.em.put(h.as_bytes())?;
+            self.em.put(&meta)?;
+            self.em.pad_to_block()?;
+            c.batches += 1;
+            c.objects += count as u64;
+            written += bytes;
+        }
+        self.em.submit_all()?;
+        if !finished {
+            return Ok(false);
+        }
+        self.em.flush()?;
+        let c = self.ckpt.as_ref().unwrap();
+        let mut sb = self.sb;
+        let old_id = sb.ckpt_id.get();
+        let had_old = sb.ckpt_segment.get() != NO_SEGMENT;
+        sb.sb_seq = (sb.sb_seq.get() + 1).into();
+        if c.batches == 0 {
+            sb.ckpt_segment = NO_SEGMENT.into();
+        } else {
+            sb.ckpt_segment = c.first_seg.into();
+        }
+        sb.ckpt_batches = c.batches.into();
+        sb.ckpt_id = c.id.into();
+        sb.ckpt_objects = c.objects.into();
+        sb.replay_segment = c.start.seg.into();
+        sb.replay_offset = (c.start.off as u32).into();
+        sb.replay_batch_seq = c.start.batch_seq.into();
+        sb.replay_segment_seq = c.start.seg_seq.into();
+        sb.next_op_seq = c.next_op_seq.into();
+        sb.seal();
+        let copy = SUPERBLOCK_OFFSETS[(sb.sb_seq.get() % 2) as usize];
+        self.em.write_fua(&self.sh.dev, copy, sb.as_bytes())?;
+        self.sb = sb;
+        let mut segs = self.sh.segs.lock().unwrap();
+        if c.batches == 0 {
+            segs.free_checkpoint(c.id);
+            if segs.infos[c.first_seg as usize].state == SegState::Reserved {
+                segs.set_state(c.first_seg, SegState::Free);
+            }
+        }
+        // The new chain's reserved next segment is never opened: release it.
+        let next = c.head.pos.next_seg;
+        if c.batches > 0
+            && (next as u64) < segs.count()
+            && segs.infos[next as usize].state == SegState::Reserved
+        {
+            segs.set_state(next, SegState::Free);
+        }
+        if had_old {
+            segs.free_checkpoint(old_id);
+        }
+        segs.replay_start = sb.replay_batch_seq.get();
+        segs.reclaim(sb.replay_batch_seq.get(), self.log.pos.seg);
+        Ok(true)
+    }
+}
+
+fn chunk_len(c: &ChunkSrc) -> usize {
+    match c {
+        ChunkSrc::New(d) => d.bytes().len(),
+        _ => 0,
+    }
+}
+
+fn xattr_len(x: &XattrSrc) -> usize {
+    match x {
+        XattrSrc::New(v) => v.len(),
+        _ => 0,
+    }
+}
+
+fn item_bytes(a: &Accepted, m: usize, i: usize) -> &[u8] {
+    let MutOp::Put(p) = &a.txn.muts[m].op else {
+        unreachable!("data item of a remove")
+    };
+    if i == usize::MAX {
+        let XattrSrc::New(v) = &p.xattrs else {
+            unreachable!("xattr item without xattrs")
+        };
+        return v;
+    }
+    match &p.chunks[i] {
+        ChunkSrc::New(d) => d.bytes(),
+        _ => unreachable!("data item of a kept chunk"),
+    }
+}
+
+/// Bytes a transaction writes (data, padded loosely, plus records).
+fn txn_bytes(t: &Prepared) -> u64 {
+    let mut n = records_len(t) as u64;
+    for m in &t.muts {
+        if let MutOp::Put(p) = &m.op {
+            n += p
+                .chunks
+                .iter()
+                .map(|c| round_up(chunk_len(c) as u64, 4096))
+                .sum::<u64>();
+            n += round_up(xattr_len(&p.xattrs) as u64, 4096);
+        }
+    }
+    n
+}
+
+fn records_len(t: &Prepared) -> usize {
+    t.muts
+        .iter()
+        .map(|m| match &m.op {
+            MutOp::Remove => remove_record_len(m.key.name.len()),
+            MutOp::Put(p) => state_record_len(m.key.name.len(), p.chunks.len()),
+        })
+        .sum()
+}

@@ -1,0 +1,469 @@
+//! mkfs, the label, and opening a store: checkpoint load, log replay, space rebuild.
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam_skiplist::SkipMap;
+use driver::BlockDevice;
+use zerocopy::{FromBytes, FromZeros, IntoBytes};
+
+use crate::commit::{now_ns, Committer};
+use crate::error::{Result, StoreError};
+use crate::format::{
+    round_up, Superblock, FORMAT_VERSION, NO_SEGMENT, SB_FLAG_NO_CHECKPOINTS, SEGMENTS_START_BYTES,
+    SEGMENT_CHECKPOINT, SEGMENT_LOG, SUPERBLOCK_MAGIC, SUPERBLOCK_OFFSETS,
+};
+use crate::meta::{decode_records, Record};
+use crate::space::{SegState, Segments};
+use crate::stream::{read_region, Layout, Pos, StreamHead, StreamReader};
+use crate::{Shared, Store, StoreConfig};
+
+/// Options for [`mkfs`].
+#[derive(Debug, Clone)]
+pub struct MkfsOptions {
+    pub cluster_fsid: [u8; 16],
+    pub node_id: u32,
+    /// Random when `None`.
+    pub device_uuid: Option<[u8; 16]>,
+    pub segment_bytes: u32,
+    pub chunk_bytes: u32,
+    /// Never checkpoint: every open replays the whole log and the cleaner cannot free space.
+    /// For measuring what checkpoints buy; not for real use.
+    pub no_checkpoints: bool,
+}
+
+impl Default for MkfsOptions {
+    fn default() -> Self {
+        MkfsOptions {
+            cluster_fsid: [0; 16],
+            node_id: 0,
+            device_uuid: None,
+            segment_bytes: 8 << 20,
+            chunk_bytes: 64 << 10,
+            no_checkpoints: false,
+        }
+    }
+}
+
+/// What a device's label says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Label {
+    pub device_uuid: [u8; 16],
+    pub cluster_fsid: [u8; 16],
+    pub node_id: u32,
+    pub block_size: u32,
+    pub segment_bytes: u32,
+    pub chunk_bytes: u32,
+    pub segments: u32,
+    pub created_unix_ns: u64,
+}
+
+/// Format 16 bytes as a UUID string.
+pub struct Uuid<'a>(pub &'a [u8; 16]);
+
+impl fmt::Display for Uuid<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, b) in self.0.iter().enumerate() {
+            if matches!(i, 4 | 6 | 8 | 10) {
+                f.write_str("-")?;
+            }
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Parse a UUID string (hex with optional dashes).
+pub fn parse_uuid(s: &str) -> Option<[u8; 16]> {
+    let hex: String = s.chars().filter(|c| *c != '-').collect();
+    if hex.len() != 32 {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
+impl Label {
+    fn from_sb(sb: &Superblock) -> Self {
+        Label {
+            device_uuid: sb.device_uuid,
+            cluster_fsid: sb.cluster_fsid,
+            node_id: sb.node_id.get(),
+            block_size: sb.block_size.get(),
+            segment_bytes: sb.segment_bytes.get(),
+            chunk_bytes: sb.chunk_bytes.get(),
+            segments: sb.segment_count.get(),
+            created_unix_ns: sb.created_unix_ns.get(),
+        }
+    }
+}
+
+/// What an open found and how long it took.
+#[derive(Debug, Clone, Default)]
+pub struct OpenReport {
+    pub objects: u64,
+    pub checkpoint_objects: u64,
+    pub checkpoint_bytes: u64,
+    pub replayed_batches: u64,
+    pub replayed_bytes: u64,
+    pub elapsed: Duration,
+}
+
+impl fmt::Display for OpenReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "opened in {:.3} s: {} objects ({} from checkpoint, {:.1} MiB), replayed {} batches / {:.1} MiB of log",
+            self.elapsed.as_secs_f64(),
+            self.objects,
+            self.checkpoint_objects,
+            self.checkpoint_bytes as f64 / 1048576.0,
+            self.replayed_batches,
+            self.replayed_bytes as f64 / 1048576.0
+        )
+    }
+}
+
+/// Label a device and write an empty store on it. Destroys whatever the device held.
+pub fn mkfs<D: BlockDevice>(dev: &D, opts: &MkfsOptions) -> Result<Label> {
+    let geo = dev.geometry();
+    let bad = |detail: String| StoreError::Format {
+        device: dev.name().clone(),
+        detail,
+    };
+    let block = geo.block_size;
+    if block > 4096 {
+        return Err(bad(format!(
+            "block size {block} is larger than the 4096 the format supports"
+        )));
+    }
+    if !opts.segment_bytes.is_power_of_two() || opts.segment_bytes < (1 << 20) {
+        return Err(bad(format!(
+            "segment size {} must be a power of two ≥ 1 MiB",
+            opts.segment_bytes
+        )));
+    }
+    if !opts.chunk_bytes.is_power_of_two()
+        || opts.chunk_bytes < block
+        || opts.chunk_bytes > geo.max_transfer_bytes
+        || opts.chunk_bytes as u64 * 8 > opts.segment_bytes as u64
+    {
+        return Err(bad(format!(
+            "chunk size {} must be a power of two between the block size and the max transfer, \
+             and at most 1/8 of a segment",
+            opts.chunk_bytes
+        )));
+    }
+    let cap = geo.capacity_bytes();
+    let segments = cap.saturating_sub(SEGMENTS_START_BYTES) / opts.segment_bytes as u64;
+    if segments < 8 {
+        return Err(bad(format!(
+            "device of {} bytes holds {segments} segments of {} bytes; at least 8 are needed",
+            cap, opts.segment_bytes
+        )));
+    }
+    let mut sb = Superblock::new_zeroed();
+    sb.magic = SUPERBLOCK_MAGIC;
+    sb.format_version = FORMAT_VERSION.into();
+    sb.block_size = block.into();
+    sb.device_uuid = opts.device_uuid.unwrap_or_else(rand::random);
+    sb.cluster_fsid = opts.cluster_fsid;
+    sb.node_id = opts.node_id.into();
+    sb.segment_bytes = opts.segment_bytes.into();
+    sb.chunk_bytes = opts.chunk_bytes.into();
+    sb.segment_count = (segments.min(u32::MAX as u64 - 1) as u32).into();
+    sb.log_id = (rand::random::<u64>() | 1).into();
+    sb.created_unix_ns = now_ns().into();
+    sb.flags = (if opts.no_checkpoints {
+        SB_FLAG_NO_CHECKPOINTS
+    } else {
+        0
+    })
+    .into();
+    sb.ckpt_segment = NO_SEGMENT.into();
+    sb.replay_segment = 0.into();
+    sb.replay_offset = 0.into();
+    sb.replay_batch_seq = 1.into();
+    sb.replay_segment_seq = 1.into();
+    sb.next_op_seq = 1.into();
+    let mut q = dev.open_queue()?;
+    for seq in [1u64, 2] {
+        sb.sb_seq = seq.into();
+        sb.seal();
+        let at = SUPERBLOCK_OFFSETS[(seq % 2) as usize];
+        let mut block_img = vec![0u8; block as usize];
+        block_img[..256].copy_from_slice(sb.as_bytes());
+        driver::io::write_slice(dev, &mut q, at, &block_img, true)?;
+    }
+    Ok(Label::from_sb(&sb))
+}
+
+/// Read the newest valid superblock copy.
+pub fn read_label<D: BlockDevice>(dev: &D) -> Result<Superblock> {
+    let mut q = dev.open_queue()?;
+    read_superblock(dev, &mut q)
+}
+
+fn read_superblock<D: BlockDevice>(dev: &D, q: &mut D::Queue) -> Result<Superblock> {
+    let block = dev.geometry().block_size as u64;
+    let img = read_region(dev, q, 0, round_up(8192, block))?;
+    let copies = SUPERBLOCK_OFFSETS.map(|off| {
+        Superblock::read_from_prefix(&img[off as usize..])
+            .ok()
+            .map(|(sb, _)| sb)
+            .filter(|sb| sb.is_valid())
+    });
+    let best = copies
+        .into_iter()
+        .flatten()
+        .max_by_key(|sb| sb.sb_seq.get());
+    let sb = best.ok_or_else(|| StoreError::Unlabelled {
+        device: dev.name().clone(),
+    })?;
+    if sb.format_version.get() != FORMAT_VERSION {
+        return Err(StoreError::Format {
+            device: dev.name().clone(),
+            detail: format!(
+                "format version {} (this build reads version {FORMAT_VERSION})",
+                sb.format_version.get()
+            ),
+        });
+    }
+    Ok(sb)
+}
+
+pub(crate) fn mount<D: BlockDevice + 'static>(
+    dev: D,
+    cluster: Option<[u8; 16]>,
+    config: StoreConfig,
+) -> Result<(Store<D>, OpenReport)> {
+    let t0 = Instant::now();
+    let name = dev.name().clone();
+    let mut q = dev.open_queue()?;
+    let mut sb = read_superblock(&dev, &mut q)?;
+    if let Some(want) = cluster {
+        if sb.cluster_fsid != want {
+            return Err(StoreError::WrongCluster {
+                device: name,
+                found: Uuid(&sb.cluster_fsid).to_string(),
+                expected: Uuid(&want).to_string(),
+            });
+        }
+    }
+    let geo = dev.geometry();
+    let layout = Layout {
+        block: sb.block_size.get() as u64,
+        segment_bytes: sb.segment_bytes.get() as u64,
+        segments: sb.segment_count.get(),
+    };
+    if layout.block != geo.block_size as u64
+        || SEGMENTS_START_BYTES + layout.segments as u64 * layout.segment_bytes
+            > geo.capacity_bytes()
+    {
+        return Err(StoreError::Format {
+            device: name,
+            detail: format!(
+                "label says {} segments of {} bytes with {}-byte blocks; the device has {} \
+                 blocks of {} bytes",
+                layout.segments,
+                layout.segment_bytes,
+                layout.block,
+                geo.capacity_blocks,
+                geo.block_size
+            ),
+        });
+    }
+    // A new open generation, durable before any log write: stale batches from a crashed
+    // earlier open can never be mistaken for new ones.
+    sb.gen = (sb.gen.get() + 1).into();
+    sb.sb_seq = (sb.sb_seq.get() + 1).into();
+    sb.seal();
+    let mut img = vec![0u8; layout.block as usize];
+    img[..256].copy_from_slice(sb.as_bytes());
+    driver::io::write_slice(
+        &dev,
+        &mut q,
+        SUPERBLOCK_OFFSETS[(sb.sb_seq.get() % 2) as usize],
+        &img,
+        true,
+    )?;
+
+    let index = SkipMap::new();
+    let mut report = OpenReport::default();
+    let mut ckpt_segments = Vec::new();
+    if sb.ckpt_segment.get() != NO_SEGMENT {
+        let start = Pos {
+            seg: sb.ckpt_segment.get(),
+            off: 0,
+            seg_seq: 1,
+            batch_seq: 1,
+            next_seg: NO_SEGMENT,
+        };
+        let mut r = StreamReader::new(layout, sb.ckpt_id.get(), SEGMENT_CHECKPOINT, start);
+        for i in 0..sb.ckpt_batches.get() {
+            let b = r.next(&dev, &mut q)?.ok_or_else(|| StoreError::Format {
+                device: name.clone(),
+                detail: format!(
+                    "checkpoint {:#x} is incomplete: batch {} of {} is missing or corrupt",
+                    sb.ckpt_id.get(),
+                    i + 1,
+                    sb.ckpt_batches.get()
+                ),
+            })?;
+            let recs = decode_records(&b.meta, b.header.record_count.get()).map_err(|detail| {
+                StoreError::Format {
+                    device: name.clone(),
+                    detail,
+                }
+            })?;
+            for rec in recs {
+                if let Record::State { key, meta } = rec {
+                    index.insert(key, Arc::new(meta));
+                    report.checkpoint_objects += 1;
+                }
+            }
+        }
+        report.checkpoint_bytes = r.bytes_read;
+        ckpt_segments = r.visited.iter().map(|(s, _)| *s).collect();
+        // The chain's reserved-but-unopened next segment is not part of it.
+    }
+
+    let start = Pos {
+        seg: sb.replay_segment.get(),
+        off: sb.replay_offset.get() as u64,
+        seg_seq: sb.replay_segment_seq.get(),
+        batch_seq: sb.replay_batch_seq.get(),
+        next_seg: NO_SEGMENT,
+    };
+    let mut r = StreamReader::new(layout, sb.log_id.get(), SEGMENT_LOG, start);
+    let mut max_seq = 0u64;
+    while let Some(b) = r.next(&dev, &mut q)? {
+        let recs = decode_records(&b.meta, b.header.record_count.get()).map_err(|detail| {
+            StoreError::Format {
+                device: name.clone(),
+                detail,
+            }
+        })?;
+        for rec in recs {
+            match rec {
+                Record::State { key, meta } => {
+                    max_seq = max_seq.max(meta.state_seq);
+                    let newer = index
+                        .get(&key)
+                        .is_none_or(|e| e.value().state_seq < meta.state_seq);
+                    if newer {
+                        index.insert(key, Arc::new(meta));
+                    }
+                }
+                Record::Remove { key, seq, .. } => {
+                    max_seq = max_seq.max(seq);
+                    if index.get(&key).is_some_and(|e| e.value().state_seq < seq) {
+                        index.remove(&key);
+                    }
+                }
+            }
+        }
+        report.replayed_batches += 1;
+    }
+    report.replayed_bytes = r.bytes_read;
+    let head = r.pos;
+
+    let mut segs = Segments::new(layout.segments, layout.segment_bytes);
+    for e in index.iter() {
+        let m = e.value();
+        for c in m.chunks.iter().chain([&m.xattrs]) {
+            if c.len.get() > 0 {
+                let seg = layout.segment_of(c.offset.get());
+                segs.add_live(seg, round_up(c.len.get() as u64, layout.block), m.state_seq);
+            }
+        }
+    }
+    for seg in 0..layout.segments {
+        if segs.infos[seg as usize].live_bytes > 0 {
+            segs.set_state(seg, SegState::Log { max_batch_seq: 0 });
+        }
+    }
+    for &(seg, max) in &r.visited {
+        segs.set_state(seg, SegState::Log { max_batch_seq: max });
+    }
+    for &seg in &ckpt_segments {
+        segs.set_state(
+            seg,
+            SegState::Checkpoint {
+                id: sb.ckpt_id.get(),
+            },
+        );
+    }
+    if head.off == 0 {
+        segs.set_state(head.seg, SegState::Reserved);
+    } else {
+        segs.set_state(head.next_seg, SegState::Reserved);
+    }
+    segs.replay_start = sb.replay_batch_seq.get();
+    segs.head = head.seg;
+    let next_op_seq = sb.next_op_seq.get().max(max_seq + 1);
+    report.objects = index.len() as u64;
+    drop(q);
+
+    let label = Label::from_sb(&sb);
+    let sh = Arc::new(Shared {
+        name,
+        layout,
+        chunk_bytes: sb.chunk_bytes.get() as u64,
+        label,
+        config: config.clone(),
+        index,
+        segs: Mutex::new(segs),
+        stats: Default::default(),
+        read_queues: thread_local::ThreadLocal::new(),
+        spare_queue: Mutex::new(None),
+        dev,
+    });
+    *sh.spare_queue.lock().unwrap() = Some(sh.dev.open_queue()?);
+    let log = StreamHead {
+        layout,
+        stream_id: sb.log_id.get(),
+        kind: SEGMENT_LOG,
+        gen: sb.gen.get(),
+        pos: head,
+        use_reserve: false,
+    };
+    let committer = Committer::new(sh.clone(), log, sb, next_op_seq)?;
+    let (user_tx, user_rx) = crossbeam::channel::unbounded();
+    let (bg_tx, bg_rx) = crossbeam::channel::unbounded();
+    let mut threads = Vec::new();
+    threads.push(
+        std::thread::Builder::new()
+            .name("store-commit".into())
+            .spawn(move || committer.run(user_rx, bg_rx))
+            .expect("spawn commit thread"),
+    );
+    let mut cleaner_stop = None;
+    if config.cleaner {
+        let (stop_tx, stop_rx) = crossbeam::channel::bounded::<()>(0);
+        let c = crate::cleaner::Cleaner::new(sh.clone(), bg_tx.clone())?;
+        threads.push(
+            std::thread::Builder::new()
+                .name("store-cleaner".into())
+                .spawn(move || c.run(stop_rx))
+                .expect("spawn cleaner thread"),
+        );
+        cleaner_stop = Some(stop_tx);
+    }
+    report.elapsed = t0.elapsed();
+    tracing::info!(device = %sh.name, "{report}");
+    Ok((
+        Store {
+            sh,
+            user_tx: Some(user_tx),
+            bg_tx: Some(bg_tx),
+            cleaner_stop,
+            threads,
+        },
+        report,
+    ))
+}

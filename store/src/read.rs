@@ -1,0 +1,411 @@
+//! The read path: lock-free index lookups, per-thread device queues, chunk reads into DMA
+//! buffers verified by CRC32C.
+
+use std::collections::BTreeMap;
+use std::ops::Bound;
+use std::sync::Arc;
+use std::time::Duration;
+
+use driver::{BlockDevice, Completion, DmaBuf, QueueHandle, Request};
+
+use crate::error::{Result, StoreError};
+use crate::format::{round_up, ChunkRef};
+use crate::key::ObjectKey;
+use crate::meta::ObjectMeta;
+use crate::{Shared, Store};
+
+/// How long a read may wait for the device.
+const READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often a read retries when the object moved underneath it (cleaner relocation).
+const READ_RETRIES_MAX: u32 = 8;
+
+/// What `stat` reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ObjectStat {
+    pub size: u64,
+    pub version: u64,
+    pub mtime_unix_ns: u64,
+    /// CRC32C of the whole content.
+    pub checksum: u32,
+}
+
+impl From<&ObjectMeta> for ObjectStat {
+    fn from(m: &ObjectMeta) -> Self {
+        ObjectStat {
+            size: m.size,
+            version: m.version,
+            mtime_unix_ns: m.mtime_unix_ns,
+            checksum: m.data_crc,
+        }
+    }
+}
+
+/// A piece of a read result.
+#[derive(Debug)]
+pub enum Part {
+    /// `len` bytes at `start` of a DMA buffer the device read into.
+    Data {
+        buf: DmaBuf,
+        start: usize,
+        len: usize,
+    },
+    /// A hole: zeros.
+    Zeros(usize),
+}
+
+/// The bytes of a read, in order, left where the device put them.
+#[derive(Debug, Default)]
+pub struct ReadBuf {
+    pub parts: Vec<Part>,
+    /// Version of the object the bytes belong to.
+    pub version: u64,
+}
+
+impl ReadBuf {
+    pub fn len(&self) -> usize {
+        self.parts
+            .iter()
+            .map(|p| match p {
+                Part::Data { len, .. } => *len,
+                Part::Zeros(n) => *n,
+            })
+            .sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Copy into `out` (which must be `len()` bytes).
+    pub fn copy_to(&self, out: &mut [u8]) {
+        assert_eq!(
+            out.len(),
+            self.len(),
+            "copy_to needs a buffer of exactly len() bytes"
+        );
+        let mut at = 0;
+        for p in &self.parts {
+            match p {
+                Part::Data { buf, start, len } => buf.read_at(*start, &mut out[at..at + len]),
+                Part::Zeros(n) => out[at..at + n].fill(0),
+            }
+            at += match p {
+                Part::Data { len, .. } => *len,
+                Part::Zeros(n) => *n,
+            };
+        }
+    }
+
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len()];
+        self.copy_to(&mut v);
+        v
+    }
+}
+
+/// Buffers of a `read_refs`, and per ref (buffer index, offset in it).
+pub(crate) type RefsRead = (Vec<DmaBuf>, Vec<(usize, usize)>);
+
+impl<D: BlockDevice> Shared<D> {
+    /// Run `f` with this thread's queue handle (opened on first use), or the shared spare
+    /// queue when the device has no queue left for this thread.
+    pub(crate) fn with_queue<T>(&self, f: impl FnOnce(&mut D::Queue) -> T) -> T {
+        let cell = self
+            .read_queues
+            .get_or(|| std::cell::RefCell::new(self.dev.open_queue().ok()));
+        let mut q = cell.borrow_mut();
+        match q.as_mut() {
+            Some(q) => f(q),
+            None => {
+                drop(q);
+                let mut spare = self.spare_queue.lock().unwrap();
+                f(spare.as_mut().expect("spare queue"))
+            }
+        }
+    }
+
+    fn corrupted(&self, what: &'static str, r: &ChunkRef, found: u32) -> StoreError {
+        StoreError::Corrupted {
+            device: self.name.clone(),
+            what,
+            offset: r.offset.get(),
+            len: r.len.get() as u64,
+            expected: r.crc.get(),
+            found,
+        }
+    }
+
+    /// Read whole chunk refs (each verified) into DMA buffers: refs adjacent in the list and
+    /// on disk are merged into one IO of up to the device's max transfer; a hole (zero-length
+    /// ref) is skipped and ends a run. Returns one entry per ref: (buffer index, offset in that
+    /// buffer), `usize::MAX` for holes.
+    pub(crate) fn read_refs(&self, refs: &[ChunkRef], what: &'static str) -> Result<RefsRead> {
+        let block = self.layout.block;
+        let max = self.dev.geometry().max_transfer_bytes as u64;
+        // Plan runs: (disk offset, bytes, first ref index).
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        let mut loc = Vec::with_capacity(refs.len());
+        let mut prev_hole = true;
+        for r in refs {
+            if r.len.get() == 0 {
+                loc.push((usize::MAX, 0));
+                prev_hole = true;
+                continue;
+            }
+            let (off, len) = (r.offset.get(), round_up(r.len.get() as u64, block));
+            let joinable = !prev_hole;
+            prev_hole = false;
+            let last_idx = runs.len().wrapping_sub(1);
+            match runs.last_mut() {
+                Some((start, n)) if joinable && *start + *n == off && *n + len <= max => {
+                    loc.push((last_idx, *n as usize));
+                    *n += len;
+                }
+                _ => {
+                    loc.push((runs.len(), 0));
+                    runs.push((off, len));
+                }
+            }
+        }
+        let mut bufs: Vec<Option<DmaBuf>> = (0..runs.len()).map(|_| None).collect();
+        self.with_queue(|q| -> Result<()> {
+            let mut comps: Vec<Completion> = (0..8).map(|_| Completion::default()).collect();
+            let mut next = 0;
+            let mut done = 0;
+            while done < runs.len() {
+                while next < runs.len() && q.in_flight() < q.depth() {
+                    let (off, len) = runs[next];
+                    let buf = self.dev.alloc_buf(len as usize)?;
+                    let req = Request::read(off / block, (len / block) as u32, buf, 0, next as u64);
+                    q.submit(req).map_err(|e| e.into_error(&self.name))?;
+                    next += 1;
+                }
+                let n = q.wait(&mut comps, 1, READ_TIMEOUT)?;
+                for c in &mut comps[..n] {
+                    let c = std::mem::take(c);
+                    c.result?;
+                    bufs[c.tag as usize] = c.buf;
+                    done += 1;
+                }
+            }
+            Ok(())
+        })?;
+        let bufs: Vec<DmaBuf> = bufs
+            .into_iter()
+            .map(|b| b.expect("every run completed"))
+            .collect();
+        for (r, &(b, at)) in refs.iter().zip(&loc) {
+            if b == usize::MAX {
+                continue;
+            }
+            let found = bufs[b].crc32c(0, at, r.len.get() as usize);
+            if found != r.crc.get() {
+                return Err(self.corrupted(what, r, found));
+            }
+        }
+        Ok((bufs, loc))
+    }
+
+    /// Read one chunk ref fully into a Vec (read-modify-write, xattrs, the cleaner).
+    pub(crate) fn read_ref_vec(&self, r: &ChunkRef, what: &'static str) -> Result<Vec<u8>> {
+        let (bufs, loc) = self.read_refs(std::slice::from_ref(r), what)?;
+        let mut v = vec![0u8; r.len.get() as usize];
+        bufs[loc[0].0].read_at(loc[0].1, &mut v);
+        Ok(v)
+    }
+
+    fn read_meta(&self, m: &ObjectMeta, offset: u64, len: u64) -> Result<ReadBuf> {
+        let cb = self.chunk_bytes;
+        let end = (offset + len).min(m.size);
+        let mut out = ReadBuf {
+            parts: Vec::new(),
+            version: m.version,
+        };
+        if offset >= end {
+            return Ok(out);
+        }
+        let first = (offset / cb) as usize;
+        let last = ((end - 1) / cb) as usize;
+        let refs: Vec<ChunkRef> = (first..=last)
+            .map(|i| m.chunks.get(i).copied().unwrap_or_default())
+            .collect();
+        let (bufs, loc) = self.read_refs(&refs, "object chunk")?;
+        let mut bufs: Vec<Option<DmaBuf>> = bufs.into_iter().map(Some).collect();
+        // One part per run buffer (chunks in a run are logically consecutive), one per hole.
+        let mut i = 0;
+        while i < refs.len() {
+            let c = (first + i) as u64;
+            let lo = (c * cb).max(offset);
+            let (b, at) = loc[i];
+            let mut j = i + 1;
+            while j < refs.len() && b != usize::MAX && loc[j].0 == b {
+                j += 1;
+            }
+            let hi = ((first + j) as u64 * cb).min(end);
+            if b == usize::MAX {
+                out.parts.push(Part::Zeros((hi - lo) as usize));
+            } else {
+                let start = at + (lo - c * cb) as usize;
+                let buf = bufs[b].take().expect("a run buffer backs one part");
+                out.parts.push(Part::Data {
+                    buf,
+                    start,
+                    len: (hi - lo) as usize,
+                });
+            }
+            i = j;
+        }
+        Ok(out)
+    }
+
+    pub(crate) fn read_object(&self, key: &ObjectKey, offset: u64, len: u64) -> Result<ReadBuf> {
+        let mut attempt = 0;
+        loop {
+            let m = self.lookup(key)?;
+            match self.read_meta(&m, offset, len) {
+                Err(StoreError::Corrupted { .. })
+                    if attempt < READ_RETRIES_MAX && self.moved(key, &m) =>
+                {
+                    // The cleaner relocated the object and its old segment was reused while
+                    // we read it: read the new location.
+                    self.stats.read_retries.inc();
+                    attempt += 1;
+                }
+                Err(e @ StoreError::Corrupted { .. }) => {
+                    self.stats.corrupt_reads.inc();
+                    return Err(e);
+                }
+                Err(e) => return Err(e),
+                Ok(r) => {
+                    self.stats.reads.inc();
+                    self.stats.read_bytes.add(r.len() as u64);
+                    return Ok(r);
+                }
+            }
+        }
+    }
+
+    fn moved(&self, key: &ObjectKey, m: &ObjectMeta) -> bool {
+        self.index
+            .get(key)
+            .is_none_or(|e| e.value().state_seq != m.state_seq)
+    }
+
+    pub(crate) fn lookup(&self, key: &ObjectKey) -> Result<Arc<ObjectMeta>> {
+        self.index
+            .get(key)
+            .map(|e| e.value().clone())
+            .ok_or_else(|| StoreError::NotFound(key.clone()))
+    }
+
+    pub(crate) fn load_xattrs(&self, m: &ObjectMeta) -> Result<BTreeMap<String, Vec<u8>>> {
+        if m.xattrs.len.get() == 0 {
+            return Ok(BTreeMap::new());
+        }
+        let raw = self.read_ref_vec(&m.xattrs, "xattr map")?;
+        decode_xattrs(&raw).ok_or_else(|| StoreError::Format {
+            device: self.name.clone(),
+            detail: format!("xattr map at byte {} does not parse", m.xattrs.offset.get()),
+        })
+    }
+}
+
+/// Serialized xattr map: count (u32), then per entry name length (u16), value length (u32),
+/// name bytes, value bytes; entries in name order.
+pub(crate) fn encode_xattrs(map: &BTreeMap<String, Vec<u8>>) -> Vec<u8> {
+    let mut v = Vec::new();
+    v.extend_from_slice(&(map.len() as u32).to_le_bytes());
+    for (k, val) in map {
+        v.extend_from_slice(&(k.len() as u16).to_le_bytes());
+        v.extend_from_slice(&(val.len() as u32).to_le_bytes());
+        v.extend_from_slice(k.as_bytes());
+        v.extend_from_slice(val);
+    }
+    v
+}
+
+pub(crate) fn decode_xattrs(mut b: &[u8]) -> Option<BTreeMap<String, Vec<u8>>> {
+    let take = |b: &mut &[u8], n: usize| -> Option<Vec<u8>> {
+        if b.len() < n {
+            return None;
+        }
+        let (h, t) = b.split_at(n);
+        *b = t;
+        Some(h.to_vec())
+    };
+    let n = u32::from_le_bytes(take(&mut b, 4)?.try_into().ok()?);
+    let mut map = BTreeMap::new();
+    for _ in 0..n {
+        let kl = u16::from_le_bytes(take(&mut b, 2)?.try_into().ok()?) as usize;
+        let vl = u32::from_le_bytes(take(&mut b, 4)?.try_into().ok()?) as usize;
+        let k = String::from_utf8(take(&mut b, kl)?).ok()?;
+        let v = take(&mut b, vl)?;
+        map.insert(k, v);
+    }
+    b.is_empty().then_some(map)
+}
+
+impl<D: BlockDevice + 'static> Store<D> {
+    pub fn stat(&self, key: &ObjectKey) -> Result<ObjectStat> {
+        Ok(ObjectStat::from(&*self.sh.lookup(key)?))
+    }
+
+    pub fn exists(&self, key: &ObjectKey) -> bool {
+        self.sh.index.contains_key(key)
+    }
+
+    /// Read `len` bytes at `offset` (clamped to the object's size) into DMA buffers.
+    pub fn read(&self, key: &ObjectKey, offset: u64, len: u64) -> Result<ReadBuf> {
+        self.sh.read_object(key, offset, len)
+    }
+
+    /// Read a range into a new Vec.
+    pub fn read_vec(&self, key: &ObjectKey, offset: u64, len: u64) -> Result<Vec<u8>> {
+        Ok(self.read(key, offset, len)?.to_vec())
+    }
+
+    /// Objects of `pool` in key order, starting after `after` (a name), at most `max`.
+    pub fn list(
+        &self,
+        pool: u64,
+        after: Option<&ObjectKey>,
+        max: usize,
+    ) -> Vec<(ObjectKey, ObjectStat)> {
+        let lower = match after {
+            Some(k) => Bound::Excluded(k.clone()),
+            None => Bound::Included(ObjectKey {
+                pool,
+                name: Box::new([]),
+                shard: 0,
+            }),
+        };
+        self.sh
+            .index
+            .range((lower, Bound::Unbounded))
+            .take_while(|e| e.key().pool == pool)
+            .take(max)
+            .map(|e| (e.key().clone(), ObjectStat::from(&**e.value())))
+            .collect()
+    }
+
+    pub fn get_xattr(&self, key: &ObjectKey, name: &str) -> Result<Vec<u8>> {
+        let m = self.sh.lookup(key)?;
+        self.sh
+            .load_xattrs(&m)?
+            .remove(name)
+            .ok_or_else(|| StoreError::NoXattr {
+                key: key.clone(),
+                name: name.into(),
+            })
+    }
+
+    pub fn xattrs(&self, key: &ObjectKey) -> Result<BTreeMap<String, Vec<u8>>> {
+        let m = self.sh.lookup(key)?;
+        self.sh.load_xattrs(&m)
+    }
+
+    /// The index entry of an object (for tools and tests).
+    pub fn meta(&self, key: &ObjectKey) -> Option<Arc<ObjectMeta>> {
+        self.sh.index.get(key).map(|e| e.value().clone())
+    }
+}

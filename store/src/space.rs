@@ -1,0 +1,268 @@
+//! The segment table: what each segment holds, live bytes per segment, allocation with a
+//! reserve for the cleaner, and the rule for when a segment may be reused.
+//!
+//! A log segment may be reused only when (a) no object references data in it (live bytes 0) and
+//! (b) every batch in it is older than the durable checkpoint's replay start, so no future
+//! replay reads it. Checkpoint segments are freed when a newer checkpoint is durable.
+
+use std::collections::BTreeSet;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SegState {
+    Free,
+    /// Holds log batches; `max_batch_seq` is the newest batch written in it.
+    Log {
+        max_batch_seq: u64,
+    },
+    /// Part of a checkpoint stream (`id` = ckpt id).
+    Checkpoint {
+        id: u64,
+    },
+    /// Chosen as a stream's next segment, not yet opened.
+    Reserved,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct SegInfo {
+    pub state: SegState,
+    /// Bytes of object data and xattr maps in this segment that the index references.
+    pub live_bytes: u64,
+    /// Newest op sequence whose data landed here (age for cost-benefit cleaning).
+    pub newest_seq: u64,
+}
+
+/// Space numbers for reports and the out-of-space error.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SpaceReport {
+    pub segment_bytes: u64,
+    pub segments_total: u64,
+    pub segments_free: u64,
+    /// Log segments with no live data still pinned by the replay range.
+    pub segments_reclaimable: u64,
+    pub segments_reserve: u64,
+    pub live_bytes: u64,
+    /// Bytes in use (non-free segments) minus live bytes: what cleaning can recover.
+    pub dead_bytes: u64,
+}
+
+pub struct Segments {
+    pub infos: Vec<SegInfo>,
+    free: BTreeSet<u32>,
+    pub segment_bytes: u64,
+    /// Free segments kept back from foreground writes for the cleaner and checkpoints.
+    pub reserve: u64,
+    /// The durable checkpoint's replay start (batch sequence): older batches are never read.
+    pub replay_start: u64,
+    /// The log's open segment.
+    pub head: u32,
+}
+
+impl Segments {
+    pub fn new(count: u32, segment_bytes: u64) -> Self {
+        let reserve = (count as u64 / 20).clamp(3, 64).min(count as u64 / 2);
+        Segments {
+            infos: vec![
+                SegInfo {
+                    state: SegState::Free,
+                    live_bytes: 0,
+                    newest_seq: 0,
+                };
+                count as usize
+            ],
+            free: (0..count).collect(),
+            segment_bytes,
+            reserve,
+            replay_start: 0,
+            head: u32::MAX,
+        }
+    }
+
+    pub fn count(&self) -> u64 {
+        self.infos.len() as u64
+    }
+
+    pub fn free_count(&self) -> u64 {
+        self.free.len() as u64
+    }
+
+    pub fn set_state(&mut self, seg: u32, state: SegState) {
+        if state == SegState::Free {
+            self.free.insert(seg);
+        } else {
+            self.free.remove(&seg);
+        }
+        self.infos[seg as usize].state = state;
+    }
+
+    /// Take a free segment. Foreground users may not dip into the reserve.
+    pub fn alloc(&mut self, use_reserve: bool) -> Option<u32> {
+        if !use_reserve && self.free.len() as u64 <= self.reserve {
+            return None;
+        }
+        let seg = *self.free.iter().next()?;
+        self.set_state(seg, SegState::Reserved);
+        Some(seg)
+    }
+
+    /// Whether `segments` more can be taken by a foreground (or background) writer.
+    pub fn can_take(&self, segments: u64, use_reserve: bool) -> bool {
+        let floor = if use_reserve { 0 } else { self.reserve };
+        self.free.len() as u64 >= segments + floor
+    }
+
+    pub fn note_batch(&mut self, seg: u32, batch_seq: u64) {
+        let info = &mut self.infos[seg as usize];
+        info.state = match info.state {
+            SegState::Log { max_batch_seq } => SegState::Log {
+                max_batch_seq: max_batch_seq.max(batch_seq),
+            },
+            _ => SegState::Log {
+                max_batch_seq: batch_seq,
+            },
+        };
+        self.free.remove(&seg);
+    }
+
+    pub fn add_live(&mut self, seg: u32, bytes: u64, seq: u64) {
+        let info = &mut self.infos[seg as usize];
+        info.live_bytes += bytes;
+        info.newest_seq = info.newest_seq.max(seq);
+    }
+
+    pub fn sub_live(&mut self, seg: u32, bytes: u64) {
+        let info = &mut self.infos[seg as usize];
+        assert!(
+            info.live_bytes >= bytes,
+            "segment {seg}: live bytes would go negative ({} - {bytes})",
+            info.live_bytes
+        );
+        info.live_bytes -= bytes;
+        if seg != self.head && Self::is_reclaimable(&self.infos[seg as usize], self.replay_start) {
+            self.set_state(seg, SegState::Free);
+            self.infos[seg as usize].newest_seq = 0;
+        }
+    }
+
+    fn is_reclaimable(info: &SegInfo, replay_start: u64) -> bool {
+        matches!(info.state, SegState::Log { max_batch_seq } if max_batch_seq < replay_start)
+            && info.live_bytes == 0
+    }
+
+    /// Free every log segment that is dead and older than the replay start. Returns how many.
+    pub fn reclaim(&mut self, replay_start_batch_seq: u64, head_segment: u32) -> u64 {
+        let mut n = 0;
+        for seg in 0..self.infos.len() as u32 {
+            if seg != head_segment
+                && Self::is_reclaimable(&self.infos[seg as usize], replay_start_batch_seq)
+            {
+                self.set_state(seg, SegState::Free);
+                self.infos[seg as usize].newest_seq = 0;
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Free all segments of checkpoint `id`.
+    pub fn free_checkpoint(&mut self, id: u64) {
+        for seg in 0..self.infos.len() as u32 {
+            if self.infos[seg as usize].state == (SegState::Checkpoint { id }) {
+                self.set_state(seg, SegState::Free);
+            }
+        }
+    }
+
+    /// Log segments with no live data waiting for a checkpoint to pass them.
+    pub fn pinned_dead(&self, replay_start: u64) -> u64 {
+        self.infos
+            .iter()
+            .filter(|i| {
+                matches!(i.state, SegState::Log { max_batch_seq } if max_batch_seq >= replay_start)
+                    && i.live_bytes == 0
+            })
+            .count() as u64
+    }
+
+    pub fn report(&self, replay_start: u64) -> SpaceReport {
+        let live: u64 = self.infos.iter().map(|i| i.live_bytes).sum();
+        let used = self.count() - self.free_count();
+        SpaceReport {
+            segment_bytes: self.segment_bytes,
+            segments_total: self.count(),
+            segments_free: self.free_count(),
+            segments_reclaimable: self.pinned_dead(replay_start),
+            segments_reserve: self.reserve,
+            live_bytes: live,
+            dead_bytes: (used * self.segment_bytes).saturating_sub(live),
+        }
+    }
+
+    /// Cost-benefit victim choice (Rosenblum & Ousterhout): maximise (1-u)·age / (1+u) over
+    /// sealed log segments, where u is the live fraction and age is how many ops ago the
+    /// newest data in it was written. Skips `exclude` (the open head) and empty-of-live ones
+    /// (those only need a checkpoint).
+    pub fn pick_victim(&self, now_seq: u64, exclude: &[u32]) -> Option<u32> {
+        let mut best: Option<(u32, f64)> = None;
+        for (seg, info) in self.infos.iter().enumerate() {
+            let seg = seg as u32;
+            if exclude.contains(&seg) || !matches!(info.state, SegState::Log { .. }) {
+                continue;
+            }
+            if info.live_bytes == 0 {
+                continue;
+            }
+            let u = info.live_bytes as f64 / self.segment_bytes as f64;
+            if u >= 0.95 {
+                continue;
+            }
+            let age = now_seq.saturating_sub(info.newest_seq).max(1) as f64;
+            let score = (1.0 - u) * age / (1.0 + u);
+            if best.is_none_or(|(_, s)| score > s) {
+                best = Some((seg, score));
+            }
+        }
+        best.map(|(s, _)| s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserve_is_kept_from_foreground() {
+        let mut s = Segments::new(10, 1 << 20);
+        assert_eq!(s.reserve, 3);
+        let mut got = 0;
+        while s.alloc(false).is_some() {
+            got += 1;
+        }
+        assert_eq!(got, 7);
+        assert!(s.alloc(true).is_some(), "the cleaner may use the reserve");
+    }
+
+    #[test]
+    fn reclaim_waits_for_the_replay_start() {
+        let mut s = Segments::new(10, 1 << 20);
+        let seg = s.alloc(false).unwrap();
+        s.note_batch(seg, 5);
+        s.add_live(seg, 100, 1);
+        assert_eq!(s.reclaim(10, 99), 0, "live data pins it");
+        s.sub_live(seg, 100);
+        assert_eq!(s.reclaim(5, 99), 0, "batch 5 is still in the replay range");
+        assert_eq!(s.pinned_dead(5), 1);
+        assert_eq!(s.reclaim(6, 99), 1);
+        assert_eq!(s.free_count(), 10);
+    }
+
+    #[test]
+    fn victim_prefers_emptier_and_older() {
+        let mut s = Segments::new(10, 1000);
+        for (seg, live, seq) in [(0u32, 900u64, 10u64), (1, 100, 10), (2, 100, 90)] {
+            s.set_state(seg, SegState::Log { max_batch_seq: 1 });
+            s.add_live(seg, live, seq);
+        }
+        assert_eq!(s.pick_victim(100, &[]), Some(1));
+        assert_eq!(s.pick_victim(100, &[1]), Some(2));
+    }
+}

@@ -1,0 +1,493 @@
+//! Transactions: a batch of operations over several objects, applied atomically.
+//!
+//! `Store::commit` prepares the transaction against the current index (reading the old bytes
+//! of partially overwritten chunks and the old xattr map where needed), hands it to the commit
+//! thread, and blocks until it is durable. The commit thread re-checks that every object it
+//! depends on is still in the state it was prepared against; if another writer got there
+//! first, the transaction is prepared again (optimistic concurrency), so concurrent writers of
+//! one object see one linear history.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use driver::BlockDevice;
+
+use crate::commit::{
+    Base, ChunkSrc, DataRef, Lent, Msg, Mut, MutOp, Prepared, PutState, TxnResult, XattrSrc,
+};
+use crate::error::{Result, StoreError};
+use crate::format::ChunkRef;
+use crate::key::{ObjectKey, OBJECT_BYTES_MAX, XATTR_BYTES_MAX, XATTR_NAME_BYTES_MAX};
+use crate::meta::ObjectMeta;
+use crate::read::encode_xattrs;
+use crate::{Shared, Store};
+
+/// How many times a transaction is prepared again after losing a race.
+const CONFLICT_RETRIES_MAX: u32 = 1000;
+
+enum Op<'a> {
+    WriteFull(&'a [u8]),
+    Write(u64, &'a [u8]),
+    Append(&'a [u8]),
+    Remove,
+    SetXattr(String, &'a [u8]),
+    RmXattr(String),
+    AssertVersion(u64),
+    AssertExists,
+    AssertAbsent,
+}
+
+/// Operations to apply atomically. Data is borrowed until `Store::commit` returns.
+#[derive(Default)]
+pub struct Transaction<'a> {
+    ops: Vec<(ObjectKey, Op<'a>)>,
+}
+
+impl<'a> Transaction<'a> {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+
+    /// Replace the object's content (creating it).
+    pub fn write_full(&mut self, key: ObjectKey, data: &'a [u8]) -> &mut Self {
+        self.ops.push((key, Op::WriteFull(data)));
+        self
+    }
+
+    /// Write at an offset (creating the object, zero-filling any gap).
+    pub fn write(&mut self, key: ObjectKey, offset: u64, data: &'a [u8]) -> &mut Self {
+        self.ops.push((key, Op::Write(offset, data)));
+        self
+    }
+
+    pub fn append(&mut self, key: ObjectKey, data: &'a [u8]) -> &mut Self {
+        self.ops.push((key, Op::Append(data)));
+        self
+    }
+
+    /// Remove the object (it must exist).
+    pub fn remove(&mut self, key: ObjectKey) -> &mut Self {
+        self.ops.push((key, Op::Remove));
+        self
+    }
+
+    pub fn set_xattr(&mut self, key: ObjectKey, name: &str, value: &'a [u8]) -> &mut Self {
+        self.ops.push((key, Op::SetXattr(name.into(), value)));
+        self
+    }
+
+    pub fn rm_xattr(&mut self, key: ObjectKey, name: &str) -> &mut Self {
+        self.ops.push((key, Op::RmXattr(name.into())));
+        self
+    }
+
+    /// Fail the whole transaction unless the object exists at exactly this version.
+    pub fn assert_version(&mut self, key: ObjectKey, version: u64) -> &mut Self {
+        self.ops.push((key, Op::AssertVersion(version)));
+        self
+    }
+
+    pub fn assert_exists(&mut self, key: ObjectKey) -> &mut Self {
+        self.ops.push((key, Op::AssertExists));
+        self
+    }
+
+    pub fn assert_absent(&mut self, key: ObjectKey) -> &mut Self {
+        self.ops.push((key, Op::AssertAbsent));
+        self
+    }
+}
+
+/// The prepared state of one object.
+enum Chunk {
+    Keep(ChunkRef),
+    Lent(Lent),
+    Owned(Vec<u8>),
+    Hole,
+}
+
+struct Obj {
+    key: ObjectKey,
+    cur: Option<Arc<ObjectMeta>>,
+    exists: bool,
+    size: u64,
+    version: u64,
+    chunks: Vec<Chunk>,
+    xattrs: Option<BTreeMap<String, Vec<u8>>>,
+    xattrs_cleared: bool,
+    removed: bool,
+    /// Only blind ops (write_full, remove) so far: the commit need not pin the current state.
+    blind: bool,
+    touched: bool,
+}
+
+impl<D: BlockDevice> Shared<D> {
+    fn load_obj(&self, key: &ObjectKey) -> Obj {
+        let cur = self.index.get(key).map(|e| e.value().clone());
+        let (exists, size, version, chunks) = match &cur {
+            Some(m) => (
+                true,
+                m.size,
+                m.version,
+                m.chunks.iter().map(|r| Chunk::Keep(*r)).collect(),
+            ),
+            None => (false, 0, 0, Vec::new()),
+        };
+        Obj {
+            key: key.clone(),
+            cur,
+            exists,
+            size,
+            version,
+            chunks,
+            xattrs: None,
+            xattrs_cleared: false,
+            removed: false,
+            blind: true,
+            touched: false,
+        }
+    }
+
+    /// The logical length of chunk `i` in an object of `size` bytes.
+    fn chunk_len(&self, i: usize, size: u64) -> usize {
+        let cb = self.chunk_bytes;
+        cb.min(size.saturating_sub(i as u64 * cb)) as usize
+    }
+
+    /// Make chunk `i` an owned buffer of its logical length under `size` (reading old bytes).
+    fn own_chunk(&self, o: &mut Obj, i: usize, size: u64) -> Result<()> {
+        let want = self.chunk_len(i, size);
+        let mut v = match std::mem::replace(&mut o.chunks[i], Chunk::Hole) {
+            Chunk::Keep(r) if r.len.get() > 0 => self.read_ref_vec(&r, "object chunk")?,
+            Chunk::Keep(_) | Chunk::Hole => Vec::new(),
+            Chunk::Lent(l) => crate::commit::lent_bytes(&l).to_vec(),
+            Chunk::Owned(v) => v,
+        };
+        v.resize(want, 0);
+        o.chunks[i] = Chunk::Owned(v);
+        Ok(())
+    }
+
+    fn write_at(&self, o: &mut Obj, offset: u64, data: &[u8]) -> Result<()> {
+        let end = offset + data.len() as u64;
+        if end > OBJECT_BYTES_MAX {
+            return Err(StoreError::TooLarge {
+                what: "object (offset + length)",
+                size: end,
+                max: OBJECT_BYTES_MAX,
+            });
+        }
+        let cb = self.chunk_bytes;
+        let old_size = o.size;
+        let new_size = old_size.max(end);
+        let n = new_size.div_ceil(cb) as usize;
+        // The old last chunk grows if the object grows past it: give it its new length.
+        if new_size > old_size && old_size > 0 {
+            let last = ((old_size - 1) / cb) as usize;
+            if old_size % cb != 0 && !matches!(o.chunks.get(last), Some(Chunk::Hole) | None) {
+                self.own_chunk(o, last, new_size.min((last as u64 + 1) * cb))?;
+            }
+        }
+        o.chunks.resize_with(n.max(o.chunks.len()), || Chunk::Hole);
+        o.size = new_size;
+        let first = (offset / cb) as usize;
+        let last = if data.is_empty() {
+            first
+        } else {
+            ((end - 1) / cb) as usize
+        };
+        for i in first..=last.min(n.saturating_sub(1)) {
+            let c_lo = i as u64 * cb;
+            let lo = offset.max(c_lo);
+            let hi = end.min(c_lo + cb);
+            if lo >= hi {
+                continue;
+            }
+            let piece = &data[(lo - offset) as usize..(hi - offset) as usize];
+            let whole = lo == c_lo && hi as usize == c_lo as usize + self.chunk_len(i, new_size);
+            if whole {
+                // SAFETY: `data` is borrowed from the Transaction, which Store::commit holds
+                // until the commit thread has replied.
+                o.chunks[i] = Chunk::Lent(unsafe { Lent::new(piece) });
+            } else {
+                self.own_chunk(o, i, new_size)?;
+                let Chunk::Owned(v) = &mut o.chunks[i] else {
+                    unreachable!()
+                };
+                v[(lo - c_lo) as usize..(hi - c_lo) as usize].copy_from_slice(piece);
+            }
+        }
+        Ok(())
+    }
+
+    fn xattrs_mut<'m>(&self, o: &'m mut Obj) -> Result<&'m mut BTreeMap<String, Vec<u8>>> {
+        if o.xattrs.is_none() {
+            let map = match (&o.cur, o.xattrs_cleared) {
+                (Some(m), false) => self.load_xattrs(m)?,
+                _ => BTreeMap::new(),
+            };
+            o.xattrs = Some(map);
+        }
+        Ok(o.xattrs.as_mut().unwrap())
+    }
+
+    fn apply_op(&self, o: &mut Obj, op: &Op<'_>) -> Result<()> {
+        o.touched = true;
+        match op {
+            Op::AssertExists => {
+                o.blind = false;
+                if !o.exists {
+                    return Err(StoreError::NotFound(o.key.clone()));
+                }
+            }
+            Op::AssertAbsent => {
+                o.blind = false;
+                if o.exists {
+                    return Err(StoreError::Invalid(format!("{} exists", o.key)));
+                }
+            }
+            Op::AssertVersion(v) => {
+                o.blind = false;
+                if !o.exists {
+                    return Err(StoreError::NotFound(o.key.clone()));
+                }
+                if o.version != *v {
+                    return Err(StoreError::VersionMismatch {
+                        key: o.key.clone(),
+                        expected: *v,
+                        actual: o.version,
+                    });
+                }
+            }
+            Op::WriteFull(data) => {
+                check_size(data.len() as u64)?;
+                o.chunks.clear();
+                o.size = 0;
+                o.exists = true;
+                self.write_at(o, 0, data)?;
+                o.size = data.len() as u64;
+            }
+            Op::Write(off, data) => {
+                o.blind = false;
+                o.exists = true;
+                self.write_at(o, *off, data)?;
+            }
+            Op::Append(data) => {
+                o.blind = false;
+                o.exists = true;
+                let at = o.size;
+                self.write_at(o, at, data)?;
+            }
+            Op::Remove => {
+                if !o.exists {
+                    return Err(StoreError::NotFound(o.key.clone()));
+                }
+                o.exists = false;
+                o.removed = true;
+                o.size = 0;
+                o.chunks.clear();
+                o.xattrs = None;
+                o.xattrs_cleared = true;
+            }
+            Op::SetXattr(name, value) => {
+                o.blind = false;
+                if !o.exists {
+                    return Err(StoreError::NotFound(o.key.clone()));
+                }
+                if name.len() > XATTR_NAME_BYTES_MAX {
+                    return Err(StoreError::TooLarge {
+                        what: "xattr name",
+                        size: name.len() as u64,
+                        max: XATTR_NAME_BYTES_MAX as u64,
+                    });
+                }
+                self.xattrs_mut(o)?.insert(name.clone(), value.to_vec());
+            }
+            Op::RmXattr(name) => {
+                o.blind = false;
+                if !o.exists {
+                    return Err(StoreError::NotFound(o.key.clone()));
+                }
+                if self.xattrs_mut(o)?.remove(name).is_none() {
+                    return Err(StoreError::NoXattr {
+                        key: o.key.clone(),
+                        name: name.clone(),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn finish(&self, o: Obj) -> Result<Option<Mut>> {
+        let base = if o.blind {
+            Base::Any
+        } else {
+            match &o.cur {
+                Some(m) => Base::Seq(m.state_seq),
+                None => Base::Absent,
+            }
+        };
+        let op = if !o.exists {
+            if !o.removed {
+                return Ok(None); // only asserts on an absent object
+            }
+            MutOp::Remove
+        } else {
+            let untouched = !o.removed
+                && o.chunks.iter().all(|c| matches!(c, Chunk::Keep(_)))
+                && o.xattrs.is_none();
+            if untouched && o.cur.is_some() {
+                return Ok(None); // only asserts: nothing to write
+            }
+            let xattrs = match (o.xattrs, o.xattrs_cleared) {
+                (Some(map), _) => {
+                    let bytes = encode_xattrs(&map);
+                    if bytes.len() > XATTR_BYTES_MAX {
+                        return Err(StoreError::TooLarge {
+                            what: "xattrs of one object",
+                            size: bytes.len() as u64,
+                            max: XATTR_BYTES_MAX as u64,
+                        });
+                    }
+                    if map.is_empty() {
+                        XattrSrc::None
+                    } else {
+                        XattrSrc::New(bytes)
+                    }
+                }
+                (None, true) => XattrSrc::None,
+                (None, false) => match (&o.cur, base) {
+                    (_, Base::Any) => XattrSrc::Current,
+                    (Some(m), _) => XattrSrc::Keep(m.xattrs),
+                    (None, _) => XattrSrc::None,
+                },
+            };
+            let chunks = o
+                .chunks
+                .into_iter()
+                .map(|c| match c {
+                    Chunk::Keep(r) if r.len.get() == 0 => ChunkSrc::Hole,
+                    Chunk::Keep(r) => ChunkSrc::Keep(r),
+                    Chunk::Hole => ChunkSrc::Hole,
+                    Chunk::Lent(l) => ChunkSrc::New(DataRef::Lent(l)),
+                    Chunk::Owned(v) => ChunkSrc::New(DataRef::Owned(v)),
+                })
+                .collect();
+            MutOp::Put(PutState {
+                size: o.size,
+                chunks,
+                xattrs,
+                relocation: false,
+            })
+        };
+        Ok(Some(Mut {
+            key: o.key,
+            base,
+            op,
+        }))
+    }
+
+    fn prepare(&self, ops: &[(ObjectKey, Op<'_>)]) -> Result<Prepared> {
+        let mut objs: Vec<Obj> = Vec::new();
+        for (key, op) in ops {
+            key.check()?;
+            let i = match objs.iter().position(|o| &o.key == key) {
+                Some(i) => i,
+                None => {
+                    objs.push(self.load_obj(key));
+                    objs.len() - 1
+                }
+            };
+            self.apply_op(&mut objs[i], op)?;
+        }
+        let mut muts = Vec::new();
+        for o in objs {
+            if let Some(m) = self.finish(o)? {
+                muts.push(m);
+            }
+        }
+        Ok(Prepared {
+            muts,
+            background: false,
+        })
+    }
+}
+
+fn check_size(n: u64) -> Result<()> {
+    if n > OBJECT_BYTES_MAX {
+        return Err(StoreError::TooLarge {
+            what: "object",
+            size: n,
+            max: OBJECT_BYTES_MAX,
+        });
+    }
+    Ok(())
+}
+
+impl<D: BlockDevice + 'static> Store<D> {
+    /// Apply a transaction atomically; returns once it is durable, with the new version of
+    /// every object it changed. Validation errors (missing object, version mismatch, limits)
+    /// leave the store untouched.
+    pub fn commit(&self, txn: Transaction<'_>) -> Result<u64> {
+        let tx = self.user_tx.as_ref().ok_or(StoreError::Closed)?;
+        for _ in 0..CONFLICT_RETRIES_MAX {
+            let prepared = self.sh.prepare(&txn.ops)?;
+            if prepared.muts.is_empty() {
+                return Ok(self.sh.stats.next_op_seq.get().saturating_sub(1));
+            }
+            let (rtx, rrx) = crossbeam::channel::bounded(1);
+            tx.send(Msg::Txn(Box::new(prepared), rtx))
+                .map_err(|_| StoreError::Closed)?;
+            // The commit thread reads `txn`'s data until it replies: this wait is unconditional.
+            match rrx.recv().map_err(|_| StoreError::Closed)? {
+                TxnResult::Committed { version } => return Ok(version),
+                TxnResult::Conflict => self.sh.stats.txn_conflicts.inc(),
+                TxnResult::Failed(e) => return Err(e),
+            }
+        }
+        Err(StoreError::Invalid(format!(
+            "transaction lost {CONFLICT_RETRIES_MAX} races in a row against concurrent writers"
+        )))
+    }
+
+    pub fn write_full(&self, key: &ObjectKey, data: &[u8]) -> Result<u64> {
+        let mut t = Transaction::new();
+        t.write_full(key.clone(), data);
+        self.commit(t)
+    }
+
+    pub fn write(&self, key: &ObjectKey, offset: u64, data: &[u8]) -> Result<u64> {
+        let mut t = Transaction::new();
+        t.write(key.clone(), offset, data);
+        self.commit(t)
+    }
+
+    pub fn append(&self, key: &ObjectKey, data: &[u8]) -> Result<u64> {
+        let mut t = Transaction::new();
+        t.append(key.clone(), data);
+        self.commit(t)
+    }
+
+    pub fn remove(&self, key: &ObjectKey) -> Result<u64> {
+        let mut t = Transaction::new();
+        t.remove(key.clone());
+        self.commit(t)
+    }
+
+    pub fn set_xattr(&self, key: &ObjectKey, name: &str, value: &[u8]) -> Result<u64> {
+        let mut t = Transaction::new();
+        t.set_xattr(key.clone(), name, value);
+        self.commit(t)
+    }
+
+    pub fn rm_xattr(&self, key: &ObjectKey, name: &str) -> Result<u64> {
+        let mut t = Transaction::new();
+        t.rm_xattr(key.clone(), name);
+        self.commit(t)
+    }
+}

@@ -1,0 +1,237 @@
+//! The object API on SimDevice: every operation, limits, errors, reopen.
+
+mod common;
+
+use common::*;
+use nvstore_store::{mkfs, ObjectKey, Store, StoreConfig, StoreError, Transaction};
+
+#[test]
+fn write_full_and_read_every_size() {
+    let (_dev, s) = fresh(64, 1);
+    let sizes = [
+        0usize,
+        1,
+        4095,
+        4096,
+        65535,
+        65536,
+        65537,
+        300_000,
+        (1 << 20) + 1,
+        4 << 20,
+    ];
+    for (i, &n) in sizes.iter().enumerate() {
+        let k = key(&format!("obj-{n}"));
+        let d = data(i as u64, n);
+        let v = s.write_full(&k, &d).unwrap();
+        assert_eq!(s.read_vec(&k, 0, u64::MAX).unwrap(), d, "size {n}");
+        let st = s.stat(&k).unwrap();
+        assert_eq!((st.size, st.version), (n as u64, v));
+        assert_eq!(
+            st.checksum,
+            crc32c::crc32c(&d),
+            "stat checksum of {n} bytes"
+        );
+        if n > 10 {
+            let (lo, hi) = (n / 3, n / 3 + n / 4 + 1);
+            assert_eq!(
+                s.read_vec(&k, lo as u64, (hi - lo) as u64).unwrap(),
+                d[lo..hi]
+            );
+        }
+    }
+}
+
+#[test]
+fn partial_writes_appends_and_gaps() {
+    let (_dev, s) = fresh(64, 2);
+    let k = key("p");
+    let mut model = data(1, 200_000);
+    s.write_full(&k, &model).unwrap();
+    for (seed, off, len) in [
+        (2u64, 10usize, 5usize),
+        (3, 65530, 20),
+        (4, 131_072, 65_536),
+        (5, 199_990, 30),
+    ] {
+        let d = data(seed, len);
+        s.write(&k, off as u64, &d).unwrap();
+        if model.len() < off + len {
+            model.resize(off + len, 0);
+        }
+        model[off..off + len].copy_from_slice(&d);
+        assert_eq!(
+            s.read_vec(&k, 0, u64::MAX).unwrap(),
+            model,
+            "after write at {off}+{len}"
+        );
+    }
+    let tail = data(9, 7000);
+    s.append(&k, &tail).unwrap();
+    model.extend_from_slice(&tail);
+    // A write far past the end leaves a zero-filled gap.
+    let far = data(10, 100);
+    s.write(&k, 1_000_000, &far).unwrap();
+    model.resize(1_000_000, 0);
+    model.extend_from_slice(&far);
+    assert_eq!(s.read_vec(&k, 0, u64::MAX).unwrap(), model);
+    assert_eq!(s.stat(&k).unwrap().checksum, crc32c::crc32c(&model));
+}
+
+#[test]
+fn versions_increase_and_remove_list_xattrs_work() {
+    let (_dev, s) = fresh(64, 3);
+    let v1 = s.write_full(&key("a"), b"one").unwrap();
+    let v2 = s.write_full(&key("a"), b"two").unwrap();
+    assert!(v2 > v1);
+    for i in 0..25 {
+        s.write_full(&key(&format!("l{i:02}")), b"x").unwrap();
+    }
+    s.write_full(&ObjectKey::new(2, b"other-pool", 0), b"y")
+        .unwrap();
+    let page1 = s.list(1, None, 10);
+    assert_eq!(page1.len(), 10);
+    assert_eq!(page1[0].0, key("a"));
+    let page2 = s.list(1, Some(&page1[9].0), 100);
+    assert_eq!(page2.len(), 16, "26 objects in pool 1");
+    assert!(page2.iter().all(|(k, _)| k.pool == 1));
+    s.set_xattr(&key("a"), "color", b"blue").unwrap();
+    s.set_xattr(&key("a"), "size", b"xl").unwrap();
+    assert_eq!(s.get_xattr(&key("a"), "color").unwrap(), b"blue");
+    s.write_full(&key("a"), b"three").unwrap();
+    assert_eq!(
+        s.get_xattr(&key("a"), "color").unwrap(),
+        b"blue",
+        "write_full keeps xattrs"
+    );
+    s.rm_xattr(&key("a"), "color").unwrap();
+    assert!(matches!(
+        s.get_xattr(&key("a"), "color"),
+        Err(StoreError::NoXattr { .. })
+    ));
+    assert_eq!(s.xattrs(&key("a")).unwrap().len(), 1);
+    s.remove(&key("a")).unwrap();
+    assert!(matches!(s.stat(&key("a")), Err(StoreError::NotFound(_))));
+    assert!(matches!(s.remove(&key("a")), Err(StoreError::NotFound(_))));
+    let v3 = s.write_full(&key("a"), b"again").unwrap();
+    assert!(v3 > v2, "a recreated object's version keeps increasing");
+    assert!(
+        s.xattrs(&key("a")).unwrap().is_empty(),
+        "remove dropped the xattrs"
+    );
+}
+
+#[test]
+fn transactions_are_atomic_and_conditional() {
+    let (_dev, s) = fresh(64, 4);
+    let v = s.write_full(&key("x"), b"x0").unwrap();
+    let mut t = Transaction::new();
+    t.write_full(key("y"), b"y1")
+        .assert_version(key("x"), v + 100)
+        .write_full(key("x"), b"x1");
+    let e = s.commit(t).unwrap_err();
+    assert!(matches!(e, StoreError::VersionMismatch { .. }), "{e}");
+    assert!(!s.exists(&key("y")), "a failed transaction applies nothing");
+    assert_eq!(s.read_vec(&key("x"), 0, 10).unwrap(), b"x0");
+    let mut t = Transaction::new();
+    t.assert_version(key("x"), v)
+        .write_full(key("x"), b"x1")
+        .write_full(key("y"), b"y1")
+        .set_xattr(key("y"), "k", b"v")
+        .append(key("y"), b"+")
+        .assert_exists(key("x"));
+    let v2 = s.commit(t).unwrap();
+    assert_eq!(s.stat(&key("x")).unwrap().version, v2);
+    assert_eq!(s.stat(&key("y")).unwrap().version, v2);
+    assert_eq!(s.read_vec(&key("y"), 0, 10).unwrap(), b"y1+");
+    assert_eq!(s.get_xattr(&key("y"), "k").unwrap(), b"v");
+    let mut t = Transaction::new();
+    t.assert_exists(key("nope")).write_full(key("z"), b"z");
+    assert!(matches!(s.commit(t), Err(StoreError::NotFound(_))));
+    assert!(!s.exists(&key("z")));
+}
+
+#[test]
+fn bad_input_gets_clear_errors_and_changes_nothing() {
+    let (_dev, s) = fresh(64, 5);
+    s.write_full(&key("keep"), b"safe").unwrap();
+    let long = ObjectKey::new(1, vec![b'n'; 1025], 0);
+    let e = s.write_full(&long, b"x").unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("object name is 1025 bytes; the maximum is 1024"),
+        "{e}"
+    );
+    let e = s.write(&key("big"), 64 << 20, b"x").unwrap_err();
+    assert!(matches!(e, StoreError::TooLarge { .. }), "{e}");
+    let huge = vec![0u8; 70_000];
+    let e = s.set_xattr(&key("keep"), "k", &huge).unwrap_err();
+    assert!(e.to_string().contains("xattrs of one object"), "{e}");
+    let e = s
+        .set_xattr(&key("keep"), &"n".repeat(300), b"v")
+        .unwrap_err();
+    assert!(e.to_string().contains("xattr name"), "{e}");
+    assert!(!s.exists(&key("big")));
+    assert_eq!(s.read_vec(&key("keep"), 0, 100).unwrap(), b"safe");
+    assert!(s.xattrs(&key("keep")).unwrap().is_empty());
+}
+
+#[test]
+fn survives_reopen_with_and_without_checkpoint() {
+    let dev = sim(64, 6);
+    mkfs(&dev, &mkfs_opts()).unwrap();
+    let (s, r) = Store::open(dev.clone(), Some(FSID), StoreConfig::default()).unwrap();
+    assert_eq!(r.objects, 0);
+    for i in 0..50 {
+        s.write_full(&key(&format!("o{i}")), &data(i, 10_000 + i as usize))
+            .unwrap();
+    }
+    s.checkpoint().unwrap();
+    for i in 50..80 {
+        s.write_full(&key(&format!("o{i}")), &data(i, 10_000 + i as usize))
+            .unwrap();
+    }
+    s.remove(&key("o3")).unwrap();
+    s.close();
+    let (s, r) = Store::open(dev.clone(), Some(FSID), StoreConfig::default()).unwrap();
+    eprintln!("{r}");
+    assert_eq!(r.checkpoint_objects, 50);
+    assert_eq!(r.objects, 79);
+    assert!(r.replayed_batches >= 1 && r.replayed_batches <= 31, "{r}");
+    for i in 0..80u64 {
+        let k = key(&format!("o{i}"));
+        if i == 3 {
+            assert!(!s.exists(&k));
+        } else {
+            assert_eq!(
+                s.read_vec(&k, 0, u64::MAX).unwrap(),
+                data(i, 10_000 + i as usize)
+            );
+        }
+    }
+    let v = s.write_full(&key("new"), b"n").unwrap();
+    assert!(v > 81, "versions continue after reopen (got {v})");
+}
+
+#[test]
+fn labels_are_checked() {
+    let dev = sim(64, 7);
+    let e = Store::open(dev.clone(), Some(FSID), StoreConfig::default())
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("run `nvstore mkfs`"), "{e}");
+    mkfs(&dev, &mkfs_opts()).unwrap();
+    let other = *b"another-cluster!";
+    let e = Store::open(dev, Some(other), StoreConfig::default())
+        .err()
+        .unwrap();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("74657374-2d63-6c75-7374-65722d696421"),
+        "names the device's fsid: {msg}"
+    );
+    assert!(
+        msg.contains("616e6f74-6865-722d-636c-757374657221"),
+        "names the expected fsid: {msg}"
+    );
+}
