@@ -15,7 +15,7 @@
 //!
 //! Old queue handles of a crashed device fail with [`Error::Gone`].
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -209,6 +209,9 @@ struct Shared {
     open_queues: AtomicU32,
     queues_opened: AtomicU32,
     memory: Arc<HostMemory>,
+    /// Writes and flushes submitted so far, and the count at which power fails.
+    write_ios: AtomicU64,
+    power_fail_at: AtomicU64,
 }
 
 /// The simulated device. Clones share the same device.
@@ -263,6 +266,8 @@ impl SimDevice {
                 open_queues: AtomicU32::new(0),
                 queues_opened: AtomicU32::new(0),
                 memory: HostMemory::new(4096),
+                write_ios: AtomicU64::new(0),
+                power_fail_at: AtomicU64::new(u64::MAX),
             }),
         }
     }
@@ -318,6 +323,25 @@ impl SimDevice {
             .wrapping_mul(0x9e37_79b9_7f4a_7c15)
             .wrapping_add(crash_seed);
         Self::with_image(self.shared.config.clone(), next_seed, image, counters)
+    }
+
+    /// Lose power right after the `n`-th write or flush from now is submitted: that one
+    /// executes (into the cache), nothing after it does, no completion is delivered any more,
+    /// and the device freezes until [`crash`](Self::crash) builds the post-crash image. This
+    /// gives crash points that replay exactly for a deterministic IO sequence.
+    pub fn power_fail_after(&self, n: u64) {
+        let now = self.shared.write_ios.load(Ordering::Acquire);
+        self.shared.power_fail_at.store(now + n.max(1), Ordering::Release);
+    }
+
+    /// Whether power has failed (by `power_fail_after` or `crash`).
+    pub fn is_gone(&self) -> bool {
+        self.shared.gone.load(Ordering::Acquire)
+    }
+
+    /// Writes and flushes submitted to this device so far.
+    pub fn write_ios(&self) -> u64 {
+        self.shared.write_ios.load(Ordering::Acquire)
     }
 
     /// Add a fault.
@@ -636,7 +660,22 @@ impl QueueHandle for SimQueue {
         let ready_at = Instant::now() + self.latency(req.op);
         let dev = self.dev.clone();
         let mut st = dev.state();
+        let mut freeze = false;
+        if req.op != Op::Read {
+            let shared = &dev.shared;
+            let n = shared.write_ios.fetch_add(1, Ordering::AcqRel) + 1;
+            let at = shared.power_fail_at.load(Ordering::Acquire);
+            if n > at {
+                drop(st);
+                let e = self.gone();
+                return Err(SubmitError::rejected(e, req));
+            }
+            freeze = n == at;
+        }
         let (result, write_id, flush_upto) = self.execute(&mut st, &mut req);
+        if freeze {
+            dev.shared.gone.store(true, Ordering::Release);
+        }
         drop(st);
         self.slots[free] = Some(Slot {
             req,

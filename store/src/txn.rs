@@ -122,7 +122,8 @@ struct Obj {
     removed: bool,
     /// Only blind ops (write_full, remove) so far: the commit need not pin the current state.
     blind: bool,
-    touched: bool,
+    /// Some op changes the object (not just asserts).
+    dirty: bool,
 }
 
 impl<D: BlockDevice> Shared<D> {
@@ -148,7 +149,7 @@ impl<D: BlockDevice> Shared<D> {
             xattrs_cleared: false,
             removed: false,
             blind: true,
-            touched: false,
+            dirty: false,
         }
     }
 
@@ -236,7 +237,9 @@ impl<D: BlockDevice> Shared<D> {
     }
 
     fn apply_op(&self, o: &mut Obj, op: &Op<'_>) -> Result<()> {
-        o.touched = true;
+        if !matches!(op, Op::AssertExists | Op::AssertAbsent | Op::AssertVersion(_)) {
+            o.dirty = true;
+        }
         match op {
             Op::AssertExists => {
                 o.blind = false;
@@ -338,10 +341,7 @@ impl<D: BlockDevice> Shared<D> {
             }
             MutOp::Remove
         } else {
-            let untouched = !o.removed
-                && o.chunks.iter().all(|c| matches!(c, Chunk::Keep(_)))
-                && o.xattrs.is_none();
-            if untouched && o.cur.is_some() {
+            if !o.dirty && o.cur.is_some() {
                 return Ok(None); // only asserts: nothing to write
             }
             let xattrs = match (o.xattrs, o.xattrs_cleared) {
