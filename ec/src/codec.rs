@@ -1,7 +1,10 @@
 //! The codec: encode, reconstruct, verify and parity deltas for one profile.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, RwLock};
+
+use arrayvec::ArrayVec;
 
 use crate::gf::{self, Matrix};
 use crate::kernel::{Kernel, Prepared};
@@ -44,7 +47,31 @@ pub struct Codec {
     /// Per data shard j: m × 2 with both columns = column j of the parity rows, so that
     /// P += c·old + c·new in one pass.
     delta: Vec<Prepared>,
-    decode_cache: RwLock<HashMap<(ShardSet, ShardSet), Arc<Prepared>>>,
+    decode_cache: RwLock<DecodeCache>,
+}
+
+type DecodeCache = HashMap<(ShardSet, ShardSet), Arc<Prepared>, BuildHasherDefault<PatternHasher>>;
+
+/// The cache key is two bit masks that callers do not choose adversarially (they come from
+/// which nodes answered), so a multiply-rotate hash replaces SipHash: a lookup is on the path of
+/// every degraded read.
+#[derive(Default)]
+struct PatternHasher(u64);
+
+impl Hasher for PatternHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0.rotate_left(26) ^ v).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
 }
 
 impl Codec {
@@ -77,7 +104,7 @@ impl Codec {
             matrix,
             encode,
             delta,
-            decode_cache: RwLock::new(HashMap::new()),
+            decode_cache: RwLock::new(DecodeCache::default()),
         })
     }
 
@@ -115,14 +142,11 @@ impl Codec {
         assert_eq!(parity.len(), self.profile.m(), "encode fills m parity shards");
         let len = parity[0].len();
         assert_eq!(stripe.len(), k * len, "a stripe is k pieces of the parity length");
-        let mut data: [&[u8]; SHARD_COUNT_MAX] = [&[]; SHARD_COUNT_MAX];
-        for (slot, piece) in data.iter_mut().zip(stripe.chunks_exact(len.max(1))) {
-            *slot = piece;
-        }
         if len == 0 {
             return;
         }
-        self.kernel.apply(&self.encode, &data[..k], parity, false);
+        let data: ArrayVec<&[u8], SHARD_COUNT_MAX> = stripe.chunks_exact(len).collect();
+        self.kernel.apply(&self.encode, &data, parity, false);
     }
 
     /// Rebuilds every [`Shard::Wanted`] slot from the [`Shard::Present`] ones: degraded reads
@@ -138,21 +162,22 @@ impl Codec {
     pub fn reconstruct(&self, shards: &mut [Shard<'_>]) -> Result<(), Error> {
         let (k, n) = (self.profile.k(), self.profile.shard_count());
         assert_eq!(shards.len(), n, "reconstruct takes all k + m shard slots");
-        let mut sources: [&[u8]; SHARD_COUNT_MAX] = [&[]; SHARD_COUNT_MAX];
-        let mut targets: [&mut [u8]; SHARD_COUNT_MAX] = std::array::from_fn(|_| &mut [][..]);
+        // Gathered without initialising SHARD_COUNT_MAX slots: this is on every degraded read.
+        let mut sources: ArrayVec<&[u8], SHARD_COUNT_MAX> = ArrayVec::new();
+        let mut targets: ArrayVec<&mut [u8], SHARD_COUNT_MAX> = ArrayVec::new();
         let (mut used, mut wanted) = (ShardSet::EMPTY, ShardSet::EMPTY);
         let mut present = 0;
         for (i, shard) in shards.iter_mut().enumerate() {
             match shard {
                 Shard::Present(buf) => {
                     if used.len() < k {
-                        sources[used.len()] = buf;
+                        sources.push(buf);
                         used.insert(i);
                     }
                     present += 1;
                 }
                 Shard::Wanted(buf) => {
-                    targets[wanted.len()] = buf;
+                    targets.push(buf);
                     wanted.insert(i);
                 }
                 Shard::Missing => {}
@@ -164,9 +189,18 @@ impl Codec {
         if present < k {
             return Err(Error::TooFewShards { present, needed: k });
         }
+        let (sources, targets) = (sources.as_slice(), targets.as_mut_slice());
+        {
+            // Hit: decode under the read guard (no reference count traffic); writers only
+            // wait for it when a new pattern appears.
+            let cache = self.decode_cache.read().unwrap_or_else(|e| e.into_inner());
+            if let Some(plan) = cache.get(&(used, wanted)) {
+                self.kernel.apply(plan, sources, targets, false);
+                return Ok(());
+            }
+        }
         let plan = self.decode_plan(used, wanted);
-        self.kernel
-            .apply(&plan, &sources[..k], &mut targets[..wanted.len()], false);
+        self.kernel.apply(&plan, sources, targets, false);
         Ok(())
     }
 
@@ -188,16 +222,11 @@ impl Codec {
         let mut start = 0;
         while start < len {
             let end = (start + chunk).min(len);
-            let mut data: [&[u8]; SHARD_COUNT_MAX] = [&[]; SHARD_COUNT_MAX];
-            for (slot, shard) in data.iter_mut().zip(&shards[..k]) {
-                *slot = &shard[start..end];
-            }
-            let mut out: [&mut [u8]; SHARD_COUNT_MAX] = std::array::from_fn(|_| &mut [][..]);
-            for (slot, piece) in out.iter_mut().zip(scratch.chunks_exact_mut(end - start)) {
-                *slot = piece;
-            }
-            self.kernel
-                .apply(&self.encode, &data[..k], &mut out[..m], false);
+            let data: ArrayVec<&[u8], SHARD_COUNT_MAX> =
+                shards[..k].iter().map(|s| &s[start..end]).collect();
+            let mut out: ArrayVec<&mut [u8], SHARD_COUNT_MAX> =
+                scratch.chunks_exact_mut(end - start).take(m).collect();
+            self.kernel.apply(&self.encode, &data, &mut out, false);
             for i in 0..m {
                 if *out[i] != shards[k + i][start..end] {
                     bad.insert(k + i);
