@@ -57,7 +57,14 @@ impl IsalTables {
         let mut a = coefficients.to_vec();
         let mut tables = vec![0u8; 32 * k * rows];
         // SAFETY: `a` holds rows × k bytes and `tables` the 32 × k × rows ISA-L documents.
-        unsafe { ec_init_tables(k as c_int, rows as c_int, a.as_mut_ptr(), tables.as_mut_ptr()) };
+        unsafe {
+            ec_init_tables(
+                k as c_int,
+                rows as c_int,
+                a.as_mut_ptr(),
+                tables.as_mut_ptr(),
+            )
+        };
         IsalTables { k, rows, tables }
     }
 
@@ -294,7 +301,10 @@ impl Setup {
                 (Imp::Rse, Op::Reconstruct) => self.rse_stripe.get(want),
                 _ => self.out.get(o),
             };
-            assert!(got == stripe.get(want), "{name}: wrong bytes for shard {want}");
+            assert!(
+                got == stripe.get(want),
+                "{name}: wrong bytes for shard {want}"
+            );
         }
     }
 
@@ -331,7 +341,10 @@ fn cross_check_with_isal(codec: &Codec) {
     let (_, mut p) = isal_parity.split(0);
     isal.apply(&data, &mut p);
     for i in 0..M {
-        assert!(p[i] == parity[i], "ISA-L with our matrix disagrees on parity {i}");
+        assert!(
+            p[i] == parity[i],
+            "ISA-L with our matrix disagrees on parity {i}"
+        );
     }
 }
 

@@ -128,7 +128,11 @@ impl Codec {
     /// If `data.len() != k`, `parity.len() != m`, or the lengths differ.
     pub fn encode(&self, data: &[&[u8]], parity: &mut [&mut [u8]]) {
         assert_eq!(data.len(), self.profile.k(), "encode takes k data shards");
-        assert_eq!(parity.len(), self.profile.m(), "encode fills m parity shards");
+        assert_eq!(
+            parity.len(),
+            self.profile.m(),
+            "encode fills m parity shards"
+        );
         self.kernel.apply(&self.encode, data, parity, false);
     }
 
@@ -139,9 +143,17 @@ impl Codec {
     /// If `parity.len() != m` or `stripe.len() != k · parity[i].len()`.
     pub fn encode_stripe(&self, stripe: &[u8], parity: &mut [&mut [u8]]) {
         let k = self.profile.k();
-        assert_eq!(parity.len(), self.profile.m(), "encode fills m parity shards");
+        assert_eq!(
+            parity.len(),
+            self.profile.m(),
+            "encode fills m parity shards"
+        );
         let len = parity[0].len();
-        assert_eq!(stripe.len(), k * len, "a stripe is k pieces of the parity length");
+        assert_eq!(
+            stripe.len(),
+            k * len,
+            "a stripe is k pieces of the parity length"
+        );
         if len == 0 {
             return;
         }
@@ -215,7 +227,10 @@ impl Codec {
         let (k, m) = (self.profile.k(), self.profile.m());
         assert_eq!(shards.len(), k + m, "verify takes all k + m shards");
         let len = shards[0].len();
-        assert!(shards.iter().all(|s| s.len() == len), "shards differ in length");
+        assert!(
+            shards.iter().all(|s| s.len() == len),
+            "shards differ in length"
+        );
         let chunk = (VERIFY_SCRATCH_BYTES / m) & !63;
         let mut scratch = [0u8; VERIFY_SCRATCH_BYTES];
         let mut bad = ShardSet::EMPTY;
@@ -245,9 +260,22 @@ impl Codec {
     ///
     /// # Panics
     /// If `data_shard >= k`, `parity.len() != m`, or the lengths differ.
-    pub fn parity_delta(&self, data_shard: usize, old: &[u8], new: &[u8], parity: &mut [&mut [u8]]) {
-        assert!(data_shard < self.profile.k(), "{data_shard} is not a data shard");
-        assert_eq!(parity.len(), self.profile.m(), "parity_delta updates m parity ranges");
+    pub fn parity_delta(
+        &self,
+        data_shard: usize,
+        old: &[u8],
+        new: &[u8],
+        parity: &mut [&mut [u8]],
+    ) {
+        assert!(
+            data_shard < self.profile.k(),
+            "{data_shard} is not a data shard"
+        );
+        assert_eq!(
+            parity.len(),
+            self.profile.m(),
+            "parity_delta updates m parity ranges"
+        );
         self.kernel
             .apply(&self.delta[data_shard], &[old, new], parity, true);
     }

@@ -12,8 +12,8 @@ pub const STRIPE_UNIT_MAX_BYTES: usize = 1024 * 1024;
 /// Stripe units are whole device blocks, so every shard IO is block aligned.
 pub const STRIPE_UNIT_ALIGN_BYTES: usize = 4 * 1024;
 
-const _: () = assert!(STRIPE_UNIT_MIN_BYTES % STRIPE_UNIT_ALIGN_BYTES == 0);
-const _: () = assert!(STRIPE_UNIT_MAX_BYTES % STRIPE_UNIT_ALIGN_BYTES == 0);
+const _: () = assert!(STRIPE_UNIT_MIN_BYTES.is_multiple_of(STRIPE_UNIT_ALIGN_BYTES));
+const _: () = assert!(STRIPE_UNIT_MAX_BYTES.is_multiple_of(STRIPE_UNIT_ALIGN_BYTES));
 const _: () = assert!(STRIPE_UNIT_DEFAULT_BYTES >= STRIPE_UNIT_MIN_BYTES);
 const _: () = assert!(STRIPE_UNIT_DEFAULT_BYTES <= STRIPE_UNIT_MAX_BYTES);
 const _: () = assert!(DATA_SHARDS_DEFAULT + PARITY_SHARDS_DEFAULT <= SHARD_COUNT_MAX);
@@ -51,7 +51,7 @@ impl Profile {
         if !(STRIPE_UNIT_MIN_BYTES..=STRIPE_UNIT_MAX_BYTES).contains(&stripe_unit) {
             return Err(invalid("stripe unit outside 4 KiB..=1 MiB"));
         }
-        if stripe_unit % STRIPE_UNIT_ALIGN_BYTES != 0 {
+        if !stripe_unit.is_multiple_of(STRIPE_UNIT_ALIGN_BYTES) {
             return Err(invalid("stripe unit is not a multiple of 4 KiB"));
         }
         Ok(Profile { k, m, stripe_unit })
@@ -106,7 +106,10 @@ mod tests {
             (6, 2, 4096 + 512),
         ] {
             let e = Profile::new(k, m, unit).unwrap_err();
-            assert!(matches!(e, Error::InvalidProfile { .. }), "{k}+{m} {unit}: {e}");
+            assert!(
+                matches!(e, Error::InvalidProfile { .. }),
+                "{k}+{m} {unit}: {e}"
+            );
         }
         let d = Profile::default();
         assert_eq!((d.k(), d.m(), d.stripe_unit()), (6, 2, 64 * 1024));

@@ -160,7 +160,16 @@ fn too_many_erasures_is_an_error_and_leaves_buffers_alone() {
         Shard::Present(&stripe[7]),
     ];
     let err = codec.reconstruct(&mut shards).unwrap_err();
-    assert!(matches!(err, Error::TooFewShards { present: 5, needed: 6 }), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::TooFewShards {
+                present: 5,
+                needed: 6
+            }
+        ),
+        "{err}"
+    );
     assert!(a.iter().chain(&b).all(|&x| x == 9));
 }
 
@@ -222,7 +231,10 @@ fn unavailable_backend_is_a_clear_error() {
         let missing = b.missing_features();
         match Codec::with_backend(profile(6, 2), b) {
             Ok(c) => assert!(missing.is_empty() && c.backend() == b),
-            Err(Error::BackendUnavailable { backend, missing: m }) => {
+            Err(Error::BackendUnavailable {
+                backend,
+                missing: m,
+            }) => {
                 assert_eq!((backend, m), (b, missing));
             }
             Err(e) => panic!("{e}"),
@@ -248,7 +260,10 @@ fn append_into_padding_is_a_delta_from_zero() {
     let mut object: Vec<u8> = (0..10_000).map(|_| rng.gen()).collect();
     let stripe_of = |object: &[u8]| -> Vec<Vec<u8>> {
         let mut padded = object.to_vec();
-        padded.resize((p.stripe_count(object.len() as u64) * p.stripe_width()) as usize, 0);
+        padded.resize(
+            (p.stripe_count(object.len() as u64) * p.stripe_width()) as usize,
+            0,
+        );
         padded.chunks(4096).map(|c| c.to_vec()).collect()
     };
     let mut stripe = encode_all(&codec, &stripe_of(&object));

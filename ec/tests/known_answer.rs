@@ -22,7 +22,10 @@ fn load(name: &str) -> Vector {
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
     let (mut k, mut m, mut len) = (0, 0, 0);
     let (mut coefficients, mut shards) = (Vec::new(), Vec::new());
-    for line in text.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {
+    for line in text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+    {
         let f: Vec<&str> = line.split_whitespace().collect();
         match f[0] {
             "k" => k = f[1].parse().unwrap(),
@@ -76,7 +79,11 @@ fn every_backend_encodes_the_vectors() {
             let mut parity = vec![vec![0u8; v.shards[0].len()]; v.m];
             let mut p: Vec<&mut [u8]> = parity.iter_mut().map(|s| s.as_mut_slice()).collect();
             codec.encode_stripe(&stripe, &mut p);
-            assert!(parity == v.shards[v.k..], "{name} encode_stripe on {}", codec.backend());
+            assert!(
+                parity == v.shards[v.k..],
+                "{name} encode_stripe on {}",
+                codec.backend()
+            );
         }
     }
 }
@@ -89,10 +96,15 @@ fn every_backend_decodes_the_vectors_from_any_k_shards() {
             for lost in subsets(v.k + v.m, v.m) {
                 let got = rebuild(&codec, &v.shards, &lost);
                 for (i, &s) in lost.iter().enumerate() {
-                    assert!(got[i] == v.shards[s], "{name} {} lost {lost:?}", codec.backend());
+                    assert!(
+                        got[i] == v.shards[s],
+                        "{name} {} lost {lost:?}",
+                        codec.backend()
+                    );
                 }
             }
-            assert!(codec.verify(&v.shards.iter().map(|s| s.as_slice()).collect::<Vec<_>>())
+            assert!(codec
+                .verify(&v.shards.iter().map(|s| s.as_slice()).collect::<Vec<_>>())
                 .is_empty());
         }
     }

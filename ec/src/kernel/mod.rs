@@ -168,7 +168,11 @@ impl Kernel {
             Backend::Gfni => self.apply_gfni(matrix, inputs, outputs, accumulate),
             Backend::RseSimd => rse::apply(&matrix.coeffs, inputs, outputs, accumulate),
             Backend::Portable => {
-                assert_eq!(matrix.tables.len(), matrix.coeffs.len(), "prepared elsewhere");
+                assert_eq!(
+                    matrix.tables.len(),
+                    matrix.coeffs.len(),
+                    "prepared elsewhere"
+                );
                 portable::apply(&matrix.tables, inputs, outputs, accumulate)
             }
         }
@@ -210,7 +214,10 @@ mod tests {
         let best = Backend::best();
         assert!(Kernel::new(best).is_ok());
         assert!(Kernel::new(Backend::Portable).is_ok());
-        eprintln!("best backend here: {best}; reed-solomon-erasure -march: {:?}", rse::MARCH);
+        eprintln!(
+            "best backend here: {best}; reed-solomon-erasure -march: {:?}",
+            rse::MARCH
+        );
     }
 
     /// Every product c·x for all 65536 pairs, through each backend as a 1×1 matrix.
@@ -227,7 +234,11 @@ mod tests {
                 let want: Vec<u8> = x.iter().map(|&v| gf::mul(c, v)).collect();
                 assert_eq!(out, want, "{} c={c}", kernel.backend());
                 kernel.apply(&p, &[&x], &mut [&mut out], true);
-                assert!(out.iter().all(|&b| b == 0), "{} accumulate c={c}", kernel.backend());
+                assert!(
+                    out.iter().all(|&b| b == 0),
+                    "{} accumulate c={c}",
+                    kernel.backend()
+                );
             }
         }
     }
@@ -238,7 +249,15 @@ mod tests {
     fn backends_agree_on_wide_matrices_and_odd_lengths() {
         use rand::{Rng, SeedableRng};
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-        for &(rows, cols, len) in &[(9, 5, 40_000), (1, 1, 1), (4, 3, 127), (5, 2, 129)] {
+        let mut shapes = vec![(9, 5, 40_000), (13, 6, 20_000)];
+        for rows in 1..=6 {
+            for cols in 1..=7 {
+                for len in [1, 63, 64, 65, 255, 256, 257, 700] {
+                    shapes.push((rows, cols, len));
+                }
+            }
+        }
+        for (rows, cols, len) in shapes {
             let mut m = Matrix::zero(rows, cols);
             for r in 0..rows {
                 for c in 0..cols {
@@ -277,10 +296,16 @@ mod tests {
                     .collect()
             };
             let (want_set, want_acc) = (naive(false), naive(true));
-            assert!(results.len() >= 2 * 2, "at least the portable and one SIMD backend");
+            assert!(
+                results.len() >= 2 * 2,
+                "at least the portable and one SIMD backend"
+            );
             for (b, acc, outs) in &results {
                 let want = if *acc { &want_acc } else { &want_set };
-                assert!(want == outs, "{b} accumulate={acc} rows={rows} cols={cols} len={len}");
+                assert!(
+                    want == outs,
+                    "{b} accumulate={acc} rows={rows} cols={cols} len={len}"
+                );
             }
         }
     }
