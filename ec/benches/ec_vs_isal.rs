@@ -392,6 +392,9 @@ fn main() {
         return;
     }
     cross_check_with_isal(&codec);
+    if cfg!(debug_assertions) {
+        println!("(unoptimised build: a smoke run of the harness, not a measurement)");
+    }
     println!(
         "{K}+{M}, one thread, GB/s of data (k × shard bytes / s), median of {rounds} rounds, \
          {} MiB of data per sample",
