@@ -179,7 +179,20 @@ impl Codec {
         let mut targets: ArrayVec<&mut [u8], SHARD_COUNT_MAX> = ArrayVec::new();
         let (mut used, mut wanted) = (ShardSet::EMPTY, ShardSet::EMPTY);
         let mut present = 0;
+        let mut len = None;
         for (i, shard) in shards.iter_mut().enumerate() {
+            let this = match shard {
+                Shard::Present(buf) => Some(buf.len()),
+                Shard::Wanted(buf) => Some(buf.len()),
+                Shard::Missing => None,
+            };
+            if let Some(this) = this {
+                assert_eq!(
+                    *len.get_or_insert(this),
+                    this,
+                    "shard {i} differs in length"
+                );
+            }
             match shard {
                 Shard::Present(buf) => {
                     if used.len() < k {

@@ -283,3 +283,30 @@ fn append_into_padding_is_a_delta_from_zero() {
     object.extend_from_slice(&appended);
     assert!(encode_all(&codec, &stripe_of(&object)) == stripe);
 }
+
+#[test]
+#[should_panic(expected = "encode takes k data shards")]
+fn encode_with_wrong_shard_count_panics() {
+    let codec = Codec::new(profile(6, 2));
+    let d = vec![0u8; 64];
+    let mut p = vec![vec![0u8; 64]; 2];
+    let mut p: Vec<&mut [u8]> = p.iter_mut().map(|s| s.as_mut_slice()).collect();
+    codec.encode(&[d.as_slice(); 5], &mut p);
+}
+
+#[test]
+#[should_panic(expected = "differs in length")]
+fn reconstruct_with_unequal_lengths_panics() {
+    let codec = Codec::new(profile(4, 2));
+    let (a, b) = (vec![0u8; 64], vec![0u8; 65]);
+    let mut out = vec![0u8; 64];
+    let mut shards = [
+        Shard::Wanted(&mut out),
+        Shard::Present(&a),
+        Shard::Present(&a),
+        Shard::Present(&a),
+        Shard::Present(&b),
+        Shard::Missing,
+    ];
+    let _ = codec.reconstruct(&mut shards);
+}

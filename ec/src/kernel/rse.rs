@@ -82,11 +82,15 @@ pub(crate) const MARCH: &str = env!("NVSTORE_EC_RSE_MARCH");
 /// What this build's C kernel requires of the CPU; `None` when the `-march` is not one we can
 /// check (e.g. `native`, or a CPU name other than `haswell`).
 pub(crate) fn required_features() -> Option<&'static [&'static str]> {
+    requirements_for(MARCH)
+}
+
+fn requirements_for(march: &str) -> Option<&'static [&'static str]> {
     if !cfg!(target_arch = "x86_64") {
         // Other targets: reed-solomon-erasure passes no -march unless asked to.
-        return MARCH.is_empty().then_some(&[][..]);
+        return march.is_empty().then_some(&[][..]);
     }
-    match MARCH {
+    match march {
         "" | "haswell" => Some(HASWELL),
         "x86-64" => Some(&[]),
         "x86-64-v2" => Some(X86_64_V2),
@@ -163,5 +167,27 @@ pub(super) fn apply(coeffs: &[u8], inputs: &[&[u8]], outputs: &mut [&mut [u8]], 
             }
         }
         start = end;
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn march_requirements() {
+        assert_eq!(requirements_for(""), Some(HASWELL));
+        assert_eq!(requirements_for("haswell"), Some(HASWELL));
+        assert_eq!(requirements_for("x86-64"), Some(&[][..]));
+        assert!(requirements_for("x86-64-v4").unwrap().contains(&"avx512bw"));
+        // Not checkable: refuse the backend rather than guess.
+        assert_eq!(requirements_for("native"), None);
+        assert_eq!(requirements_for("znver4"), None);
+        // Every name in the tables is one `detected` knows (it panics otherwise).
+        for list in [HASWELL, X86_64_V2, X86_64_V3, X86_64_V4] {
+            for f in list {
+                detected(f);
+            }
+        }
     }
 }
