@@ -68,7 +68,7 @@ impl Geometry {
     /// Convert a byte range into (lba, blocks), rejecting anything not block aligned.
     pub fn blocks_for(&self, device: &Arc<str>, offset: u64, len: u64) -> Result<(u64, u32)> {
         let bs = self.block_size as u64;
-        if offset % bs != 0 || len % bs != 0 {
+        if !offset.is_multiple_of(bs) || !len.is_multiple_of(bs) {
             return Err(Error::Misaligned {
                 device: device.clone(),
                 detail: format!(

@@ -155,7 +155,7 @@ fn check_options(name: &Arc<str>, o: &FileOptions) -> Result<()> {
             o.block_size
         ));
     }
-    if o.max_transfer_bytes < o.block_size || o.max_transfer_bytes % o.block_size != 0 {
+    if o.max_transfer_bytes < o.block_size || !o.max_transfer_bytes.is_multiple_of(o.block_size) {
         return bad(format!(
             "max transfer {} must be a positive multiple of the block size {}",
             o.max_transfer_bytes, o.block_size

@@ -236,7 +236,7 @@ impl SimDevice {
                 && config.atomic_write_bytes <= config.block_size,
             "atomic write unit must be a power of two between 512 and the block size"
         );
-        assert!(config.max_transfer_bytes % config.block_size == 0);
+        assert!(config.max_transfer_bytes.is_multiple_of(config.block_size));
         let geometry = Geometry {
             block_size: config.block_size,
             capacity_blocks: config.capacity_blocks,
@@ -331,7 +331,9 @@ impl SimDevice {
     /// gives crash points that replay exactly for a deterministic IO sequence.
     pub fn power_fail_after(&self, n: u64) {
         let now = self.shared.write_ios.load(Ordering::Acquire);
-        self.shared.power_fail_at.store(now + n.max(1), Ordering::Release);
+        self.shared
+            .power_fail_at
+            .store(now + n.max(1), Ordering::Release);
     }
 
     /// Whether power has failed (by `power_fail_after` or `crash`).

@@ -109,7 +109,7 @@ pub fn run<D: BlockDevice>(dev: &D, spec: &Spec) -> Result<Report> {
     let bs = geo.block_size as u64;
     let blocks = (spec.io_bytes as u64 / bs) as u32;
     assert!(
-        blocks > 0 && spec.io_bytes as u64 % bs == 0,
+        blocks > 0 && (spec.io_bytes as u64).is_multiple_of(bs),
         "io size must be whole blocks"
     );
     let slots = (spec.span_bytes.min(geo.capacity_bytes()) / spec.io_bytes as u64).max(1);

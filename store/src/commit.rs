@@ -664,14 +664,16 @@ impl<D: BlockDevice> Committer<D> {
             {
                 let mut segs = self.sh.segs.lock().unwrap();
                 for (m, mu) in a.txn.muts.iter().enumerate() {
-                    if let Some(old) = &a.cur[m] {
-                        for (seg, n) in old.chunks.iter().chain([&old.xattrs]).filter_map(live) {
-                            segs.sub_live(seg, n);
-                        }
-                    }
+                    // Count the new state before releasing the old: kept chunks must never
+                    // make their segment look empty (and get freed) in between.
                     if let Some(new) = &a.new_metas[m] {
                         for (seg, n) in new.chunks.iter().chain([&new.xattrs]).filter_map(live) {
                             segs.add_live(seg, n, a.seq);
+                        }
+                    }
+                    if let Some(old) = &a.cur[m] {
+                        for (seg, n) in old.chunks.iter().chain([&old.xattrs]).filter_map(live) {
+                            segs.sub_live(seg, n);
                         }
                     }
                     if let MutOp::Put(p) = &mu.op {

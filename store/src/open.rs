@@ -371,6 +371,7 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
     }
     report.replayed_bytes = r.bytes_read;
     let head = r.pos;
+    tracing::debug!(?head, ?sb.replay_segment, replay_off = sb.replay_offset.get(), replay_batch = sb.replay_batch_seq.get(), ckpt = sb.ckpt_segment.get(), "replay done");
 
     let mut segs = Segments::new(layout.segments, layout.segment_bytes);
     for e in index.iter() {

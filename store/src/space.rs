@@ -86,6 +86,12 @@ impl Segments {
     }
 
     pub fn set_state(&mut self, seg: u32, state: SegState) {
+        tracing::debug!(
+            seg,
+            ?state,
+            live = self.infos[seg as usize].live_bytes,
+            "segment state"
+        );
         if state == SegState::Free {
             self.free.insert(seg);
         } else {

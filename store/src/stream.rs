@@ -186,7 +186,7 @@ fn batch_at(
             || h.stream_id.get() != stream_id
             || h.seq.get() != pos.batch_seq
             || h.gen.get() < min_gen
-            || h.data_bytes.get() as u64 % layout.block != 0
+            || !(h.data_bytes.get() as u64).is_multiple_of(layout.block)
         {
             return None;
         }
@@ -341,6 +341,15 @@ impl StreamHead {
             header = Some(self.open_segment(segs, now_ns)?);
         }
         let offset = self.layout.segment_base(self.pos.seg) + self.pos.off;
+        tracing::debug!(
+            stream = self.stream_id,
+            seg = self.pos.seg,
+            off = self.pos.off,
+            bytes,
+            batch = self.pos.batch_seq,
+            opened = header.is_some(),
+            "place batch"
+        );
         self.pos.off += bytes;
         self.pos.batch_seq += 1;
         if self.kind == crate::format::SEGMENT_LOG {

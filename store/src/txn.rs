@@ -189,7 +189,9 @@ impl<D: BlockDevice> Shared<D> {
         // The old last chunk grows if the object grows past it: give it its new length.
         if new_size > old_size && old_size > 0 {
             let last = ((old_size - 1) / cb) as usize;
-            if old_size % cb != 0 && !matches!(o.chunks.get(last), Some(Chunk::Hole) | None) {
+            if !old_size.is_multiple_of(cb)
+                && !matches!(o.chunks.get(last), Some(Chunk::Hole) | None)
+            {
                 self.own_chunk(o, last, new_size.min((last as u64 + 1) * cb))?;
             }
         }
@@ -237,7 +239,10 @@ impl<D: BlockDevice> Shared<D> {
     }
 
     fn apply_op(&self, o: &mut Obj, op: &Op<'_>) -> Result<()> {
-        if !matches!(op, Op::AssertExists | Op::AssertAbsent | Op::AssertVersion(_)) {
+        if !matches!(
+            op,
+            Op::AssertExists | Op::AssertAbsent | Op::AssertVersion(_)
+        ) {
             o.dirty = true;
         }
         match op {
@@ -392,14 +397,28 @@ impl<D: BlockDevice> Shared<D> {
         }))
     }
 
-    fn prepare(&self, ops: &[(ObjectKey, Op<'_>)]) -> Result<Prepared> {
+    /// Whether any object changed state since `prepare` looked at it.
+    fn any_moved(&self, seen: &[(ObjectKey, Option<u64>)]) -> bool {
+        seen.iter()
+            .any(|(k, was)| self.index.get(k).map(|e| e.value().state_seq) != *was)
+    }
+
+    /// Build the commit-thread form of a transaction; `seen` records the state of each object
+    /// it looked at.
+    fn prepare(
+        &self,
+        ops: &[(ObjectKey, Op<'_>)],
+        seen: &mut Vec<(ObjectKey, Option<u64>)>,
+    ) -> Result<Prepared> {
         let mut objs: Vec<Obj> = Vec::new();
         for (key, op) in ops {
             key.check()?;
             let i = match objs.iter().position(|o| &o.key == key) {
                 Some(i) => i,
                 None => {
-                    objs.push(self.load_obj(key));
+                    let o = self.load_obj(key);
+                    seen.push((key.clone(), o.cur.as_ref().map(|m| m.state_seq)));
+                    objs.push(o);
                     objs.len() - 1
                 }
             };
@@ -436,7 +455,15 @@ impl<D: BlockDevice + 'static> Store<D> {
     pub fn commit(&self, txn: Transaction<'_>) -> Result<u64> {
         let tx = self.user_tx.as_ref().ok_or(StoreError::Closed)?;
         for _ in 0..CONFLICT_RETRIES_MAX {
-            let prepared = self.sh.prepare(&txn.ops)?;
+            let mut seen = Vec::new();
+            let prepared = match self.sh.prepare(&txn.ops, &mut seen) {
+                Err(StoreError::Corrupted { .. }) if self.sh.any_moved(&seen) => {
+                    // A read for the preparation raced with the cleaner moving the object.
+                    self.sh.stats.txn_conflicts.inc();
+                    continue;
+                }
+                other => other?,
+            };
             if prepared.muts.is_empty() {
                 return Ok(self.sh.stats.next_op_seq.get().saturating_sub(1));
             }

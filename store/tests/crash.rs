@@ -1,0 +1,415 @@
+//! Crash suite on SimDevice: seeded random workloads over every operation, power failure at a
+//! random write IO (unflushed writes kept, dropped or torn at 512-byte sectors, completions
+//! reordered), reopen, verify against a model:
+//! * every acknowledged transaction is visible;
+//! * the transaction in flight at the crash is fully applied or not at all;
+//! * nothing else exists; no read fails its crc (scrub is clean).
+//!
+//! Each seed runs several crash cycles on the same device. `deterministic_crash_points`
+//! is single-client with explicit checkpoints, so its IO sequence — and a failure — replays
+//! exactly: `NVSTORE_CRASH_SEED=<seed> cargo test -p nvstore-store --test crash`.
+//! `concurrent_crash_points` adds four clients, automatic checkpoints and the cleaner (it
+//! replays with high probability). `NVSTORE_CRASH_SEEDS=<n>` sets seeds per test (long mode:
+//! 3500 → over 10 000 crash points).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use common::*;
+use driver::{SimConfig, SimDevice};
+use nvstore_store::{mkfs, ObjectKey, Store, StoreConfig, StoreError, Transaction};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Obj {
+    data: Vec<u8>,
+    xattrs: BTreeMap<String, Vec<u8>>,
+}
+
+type Model = BTreeMap<String, Obj>;
+
+#[derive(Clone)]
+enum TOp {
+    WriteFull(String, Vec<u8>),
+    Write(String, u64, Vec<u8>),
+    Append(String, Vec<u8>),
+    Remove(String),
+    SetX(String, String, Vec<u8>),
+    RmX(String, String),
+}
+
+impl std::fmt::Debug for TOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TOp::WriteFull(k, d) => write!(f, "write_full({k}, {} bytes)", d.len()),
+            TOp::Write(k, o, d) => write!(f, "write({k}, @{o}, {} bytes)", d.len()),
+            TOp::Append(k, d) => write!(f, "append({k}, {} bytes)", d.len()),
+            TOp::Remove(k) => write!(f, "remove({k})"),
+            TOp::SetX(k, n, v) => write!(f, "set_xattr({k}, {n}, {} bytes)", v.len()),
+            TOp::RmX(k, n) => write!(f, "rm_xattr({k}, {n})"),
+        }
+    }
+}
+
+/// Apply to the model; `Err` when the store must refuse it too.
+fn apply(model: &mut Model, ops: &[TOp]) -> Result<(), ()> {
+    let mut m = model.clone();
+    for op in ops {
+        match op {
+            TOp::WriteFull(k, d) => {
+                let o = m.entry(k.clone()).or_insert_with(|| Obj {
+                    data: vec![],
+                    xattrs: BTreeMap::new(),
+                });
+                o.data = d.clone();
+            }
+            TOp::Write(k, _, d) | TOp::Append(k, d) => {
+                let o = m.entry(k.clone()).or_insert_with(|| Obj {
+                    data: vec![],
+                    xattrs: BTreeMap::new(),
+                });
+                let off = match op {
+                    TOp::Write(_, off, _) => *off as usize,
+                    _ => o.data.len(),
+                };
+                if o.data.len() < off + d.len() {
+                    o.data.resize(off + d.len(), 0);
+                }
+                o.data[off..off + d.len()].copy_from_slice(d);
+            }
+            TOp::Remove(k) => {
+                m.remove(k).ok_or(())?;
+            }
+            TOp::SetX(k, n, v) => {
+                m.get_mut(k).ok_or(())?.xattrs.insert(n.clone(), v.clone());
+            }
+            TOp::RmX(k, n) => {
+                m.get_mut(k).ok_or(())?.xattrs.remove(n).ok_or(())?;
+            }
+        }
+    }
+    *model = m;
+    Ok(())
+}
+
+fn skey(k: &str) -> ObjectKey {
+    ObjectKey::new(1, k.as_bytes(), 0)
+}
+
+fn size(rng: &mut ChaCha8Rng, big: bool) -> usize {
+    match rng.gen_range(0..100) {
+        0..=59 => rng.gen_range(0..8192),
+        60..=89 => rng.gen_range(8192..256 << 10),
+        90..=98 => rng.gen_range(256 << 10..4 << 20),
+        _ if big => rng.gen_range(4 << 20..=64 << 20),
+        _ => rng.gen_range(256 << 10..1 << 20),
+    }
+}
+
+fn gen_txn(rng: &mut ChaCha8Rng, keys: &[String], model: &Model, big: bool) -> Vec<TOp> {
+    let n = if rng.gen_bool(0.2) {
+        rng.gen_range(2..4)
+    } else {
+        1
+    };
+    (0..n)
+        .map(|_| {
+            let k = keys[rng.gen_range(0..keys.len())].clone();
+            let exists = model.contains_key(&k);
+            let seed = rng.gen::<u64>();
+            match rng.gen_range(0..100) {
+                0..=39 => TOp::WriteFull(k, data(seed, size(rng, big))),
+                40..=59 => {
+                    let cur = model.get(&k).map_or(0, |o| o.data.len() as u64);
+                    let off = rng.gen_range(0..=cur + 70_000);
+                    TOp::Write(k, off, data(seed, rng.gen_range(1..140_000)))
+                }
+                60..=69 => TOp::Append(k, data(seed, rng.gen_range(0..100_000))),
+                70..=79 if exists => TOp::Remove(k),
+                80..=91 if exists => TOp::SetX(
+                    k,
+                    format!("x{}", rng.gen_range(0..4)),
+                    data(seed, rng.gen_range(0..3000)),
+                ),
+                92..=99 if exists => {
+                    let names: Vec<_> = model[&k].xattrs.keys().cloned().collect();
+                    match names.is_empty() {
+                        true => TOp::SetX(k, "x0".into(), vec![1]),
+                        false => TOp::RmX(k, names[rng.gen_range(0..names.len())].clone()),
+                    }
+                }
+                _ => TOp::WriteFull(k, data(seed, rng.gen_range(0..5000))),
+            }
+        })
+        .collect()
+}
+
+fn run_txn(s: &Store<SimDevice>, ops: &[TOp]) -> Result<u64, StoreError> {
+    let mut t = Transaction::new();
+    for op in ops {
+        match op {
+            TOp::WriteFull(k, d) => t.write_full(skey(k), d),
+            TOp::Write(k, off, d) => t.write(skey(k), *off, d),
+            TOp::Append(k, d) => t.append(skey(k), d),
+            TOp::Remove(k) => t.remove(skey(k)),
+            TOp::SetX(k, n, v) => t.set_xattr(skey(k), n, v),
+            TOp::RmX(k, n) => t.rm_xattr(skey(k), n),
+        };
+    }
+    s.commit(t)
+}
+
+/// The store's content for `keys`.
+fn observe(s: &Store<SimDevice>, keys: &[String], ctx: &str) -> Model {
+    let mut m = Model::new();
+    for k in keys {
+        match s.read_vec(&skey(k), 0, u64::MAX) {
+            Ok(d) => {
+                let xattrs = s
+                    .xattrs(&skey(k))
+                    .unwrap_or_else(|e| panic!("{ctx}: xattrs of {k}: {e}"));
+                m.insert(k.clone(), Obj { data: d, xattrs });
+            }
+            Err(StoreError::NotFound(_)) => {}
+            Err(e) => panic!("{ctx}: reading {k} after reopen: {e}"),
+        }
+    }
+    m
+}
+
+/// Compare the observed state with the acknowledged model, or the model plus the pending
+/// transaction. Returns the model that matched.
+fn check(obs: &Model, acked: &Model, pending: Option<&Vec<TOp>>, ctx: &str) -> Model {
+    if obs == acked {
+        return acked.clone();
+    }
+    if let Some(p) = pending {
+        let mut after = acked.clone();
+        if apply(&mut after, p).is_ok() && obs == &after {
+            return after;
+        }
+    }
+    let diff: Vec<_> = acked
+        .keys()
+        .chain(obs.keys())
+        .filter(|k| acked.get(*k) != obs.get(*k))
+        .map(|k| {
+            let d = |o: Option<&Obj>| {
+                o.map(|o| {
+                    format!(
+                        "{} bytes, {} xattrs, crc {:#x}",
+                        o.data.len(),
+                        o.xattrs.len(),
+                        crc32c::crc32c(&o.data)
+                    )
+                })
+            };
+            format!(
+                "{k}: acked {:?} vs found {:?}",
+                d(acked.get(k)),
+                d(obs.get(k))
+            )
+        })
+        .collect();
+    panic!("{ctx}: state after crash is neither the acknowledged state nor it plus the pending transaction {pending:?}:\n{}", diff.join("\n"));
+}
+
+fn seeds(default: u64) -> Vec<u64> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    if let Ok(s) = std::env::var("NVSTORE_CRASH_SEED") {
+        return vec![s.parse().expect("NVSTORE_CRASH_SEED is a number")];
+    }
+    let n = std::env::var("NVSTORE_CRASH_SEEDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default);
+    (0..n).collect()
+}
+
+fn config(auto: bool, cleaner: bool) -> StoreConfig {
+    StoreConfig {
+        checkpoint_interval_bytes: if auto { 3 << 20 } else { u64::MAX },
+        cleaner,
+        staging_bytes: 4 << 20,
+        ..StoreConfig::default()
+    }
+}
+
+fn sim_device(seed: u64, mb: u64) -> SimDevice {
+    SimDevice::new(
+        SimConfig {
+            capacity_blocks: mb * 256,
+            atomic_write_bytes: 512,
+            reorder: true,
+            ..SimConfig::default()
+        },
+        seed,
+    )
+}
+
+const CYCLES: usize = 3;
+
+#[test]
+fn deterministic_crash_points() {
+    let mut points = 0;
+    let mut outcomes = [0u64; 3]; // acked-only, pending applied, workload finished first
+    for seed in seeds(130) {
+        eprintln!("crash seed {seed} (replay: NVSTORE_CRASH_SEED={seed})");
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let big = rng.gen_bool(0.05);
+        let keys: Vec<String> = (0..10).map(|i| format!("k{i}")).collect();
+        let mut dev = sim_device(seed, 256);
+        mkfs(&dev, &mkfs_opts()).unwrap();
+        let mut acked = Model::new();
+        for cycle in 0..CYCLES {
+            let ctx = format!("seed {seed} cycle {cycle}");
+            let (s, _) = Store::open(dev.clone(), Some(FSID), config(false, false))
+                .unwrap_or_else(|e| panic!("{ctx}: reopen failed: {e}"));
+            let obs = observe(&s, &keys, &ctx);
+            assert_eq!(obs, acked, "{ctx}: state at open differs from the model");
+            let ops = rng.gen_range(3..30);
+            dev.power_fail_after(rng.gen_range(1..=ops * 2));
+            let mut pending = None;
+            for _ in 0..ops {
+                if rng.gen_bool(0.1) {
+                    if s.checkpoint().is_err() {
+                        break;
+                    }
+                    continue;
+                }
+                let txn = gen_txn(&mut rng, &keys, &acked, big);
+                tracing::debug!("{ctx}: txn {txn:?}");
+                let mut next = acked.clone();
+                let valid = apply(&mut next, &txn).is_ok();
+                match run_txn(&s, &txn) {
+                    Ok(_) => {
+                        assert!(
+                            valid,
+                            "{ctx}: store accepted {txn:?}, which the model refuses"
+                        );
+                        acked = next;
+                    }
+                    Err(StoreError::NotFound(_) | StoreError::NoXattr { .. }) if !valid => {}
+                    Err(StoreError::OutOfSpace { .. }) => break,
+                    Err(e) => {
+                        assert!(dev.is_gone(), "{ctx}: {txn:?} failed before the crash: {e}");
+                        pending = Some(txn);
+                        break;
+                    }
+                }
+            }
+            let finished_first = !dev.is_gone();
+            drop(s);
+            let crashed = dev.crash(seed ^ ((cycle as u64 + 1) * 0x51ed));
+            points += 1;
+            let (s, _) = Store::open(crashed.clone(), Some(FSID), config(false, false))
+                .unwrap_or_else(|e| panic!("{ctx}: open after crash failed: {e}"));
+            let obs = observe(&s, &keys, &ctx);
+            let matched = check(&obs, &acked, pending.as_ref(), &ctx);
+            outcomes[if finished_first {
+                2
+            } else if matched == acked {
+                0
+            } else {
+                1
+            }] += 1;
+            acked = matched;
+            let scrub = s.scrub();
+            assert!(
+                scrub.corrupt.is_empty() && scrub.errors.is_empty(),
+                "{ctx}: scrub after crash: {scrub:?}"
+            );
+            drop(s);
+            dev = crashed;
+        }
+    }
+    eprintln!(
+        "{points} crash points: {} with the in-flight txn lost, {} with it applied, {} after the workload finished",
+        outcomes[0], outcomes[1], outcomes[2]
+    );
+}
+
+#[test]
+fn concurrent_crash_points() {
+    const CLIENTS: usize = 4;
+    let mut points = 0;
+    for seed in seeds(40) {
+        let seed = seed + 1_000_000;
+        eprintln!("concurrent crash seed {seed} (NVSTORE_CRASH_SEED={seed})");
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut dev = sim_device(seed, 96);
+        mkfs(&dev, &mkfs_opts()).unwrap();
+        let mut acked: Vec<Model> = vec![Model::new(); CLIENTS];
+        let keys: Vec<Vec<String>> = (0..CLIENTS)
+            .map(|c| (0..6).map(|i| format!("c{c}-k{i}")).collect())
+            .collect();
+        for cycle in 0..CYCLES {
+            let ctx = format!("seed {seed} cycle {cycle}");
+            let (s, _) = Store::open(dev.clone(), Some(FSID), config(true, true))
+                .unwrap_or_else(|e| panic!("{ctx}: reopen failed: {e}"));
+            let s = Arc::new(s);
+            dev.power_fail_after(rng.gen_range(1..400));
+            let stop = Arc::new(AtomicBool::new(false));
+            let results: Vec<(Model, Option<Vec<TOp>>)> = std::thread::scope(|sc| {
+                let handles: Vec<_> = (0..CLIENTS)
+                    .map(|c| {
+                        let (s, stop, dev) = (s.clone(), stop.clone(), dev.clone());
+                        let mut model = acked[c].clone();
+                        let keys = keys[c].clone();
+                        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (c as u64 + 7) << 20 ^ cycle as u64);
+                        let ctx = ctx.clone();
+                        sc.spawn(move || {
+                            for _ in 0..200 {
+                                if stop.load(Ordering::Relaxed) {
+                                    break;
+                                }
+                                let txn = gen_txn(&mut rng, &keys, &model, false);
+                                let mut next = model.clone();
+                                let valid = apply(&mut next, &txn).is_ok();
+                                match run_txn(&s, &txn) {
+                                    Ok(_) => {
+                                        assert!(valid, "{ctx}: store accepted {txn:?}, the model refuses it");
+                                        model = next;
+                                    }
+                                    Err(StoreError::NotFound(_) | StoreError::NoXattr { .. }) if !valid => {}
+                                    Err(StoreError::OutOfSpace { .. }) => break,
+                                    Err(e) => {
+                                        assert!(dev.is_gone(), "{ctx}: client {c}: {txn:?} failed before the crash: {e}");
+                                        stop.store(true, Ordering::Relaxed);
+                                        return (model, Some(txn));
+                                    }
+                                }
+                            }
+                            (model, None)
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            drop(Arc::try_unwrap(s).ok().expect("clients are done"));
+            let crashed = dev.crash(seed ^ ((cycle as u64 + 1) * 0x7a3));
+            points += 1;
+            let (s, _) = Store::open(crashed.clone(), Some(FSID), config(true, true))
+                .unwrap_or_else(|e| panic!("{ctx}: open after crash failed: {e}"));
+            for (c, (model, pending)) in results.into_iter().enumerate() {
+                let obs = observe(&s, &keys[c], &ctx);
+                acked[c] = check(&obs, &model, pending.as_ref(), &format!("{ctx} client {c}"));
+            }
+            let scrub = s.scrub();
+            assert!(
+                scrub.corrupt.is_empty() && scrub.errors.is_empty(),
+                "{ctx}: scrub: {scrub:?}"
+            );
+            drop(s);
+            dev = crashed;
+        }
+    }
+    eprintln!("{points} concurrent crash points");
+}
