@@ -75,6 +75,11 @@ impl<D: BlockDevice> Cleaner<D> {
     /// data.
     fn clean(&mut self, seg: u32) -> Result<bool> {
         let layout = self.sh.layout;
+        tracing::debug!(
+            seg,
+            live = self.sh.segs.lock().unwrap().infos[seg as usize].live_bytes,
+            "cleaning"
+        );
         let base = layout.segment_base(seg);
         let image = read_region(&self.sh.dev, &mut self.q, base, layout.segment_bytes)?;
         let Some(h) = parse_segment_header(&image) else {
@@ -103,7 +108,7 @@ impl<D: BlockDevice> Cleaner<D> {
             if crc32c::crc32c(meta) == bh.meta_crc.get() {
                 if let Ok(recs) = decode_records(meta, bh.record_count.get()) {
                     for r in recs {
-                        if let Record::State { key, .. } = r {
+                        if let Record::State { key, .. } | Record::Owner { key } = r {
                             keys.insert(key, ());
                         }
                     }

@@ -17,7 +17,7 @@
 use std::collections::{HashSet, VecDeque};
 use std::ops::Bound;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crossbeam::channel::{Receiver, Sender};
 use driver::BlockDevice;
@@ -29,7 +29,10 @@ use crate::format::{
     round_up, ChunkRef, Superblock, NO_SEGMENT, SEGMENT_CHECKPOINT, SUPERBLOCK_OFFSETS,
 };
 use crate::key::ObjectKey;
-use crate::meta::{encode_remove, encode_state, remove_record_len, state_record_len, ObjectMeta};
+use crate::meta::{
+    encode_owner, encode_remove, encode_state, owner_record_len, remove_record_len,
+    state_record_len, ObjectMeta,
+};
 use crate::space::SegState;
 use crate::stream::{batch_header, Pos, StreamHead};
 use crate::Shared;
@@ -154,6 +157,15 @@ struct Accepted {
     new_metas: Vec<Option<Arc<ObjectMeta>>>,
 }
 
+enum CheckErr {
+    Reply(TxnResult),
+    /// Not enough free space now, but the cleaner can reclaim enough: park the transaction.
+    WaitSpace,
+}
+
+/// How long a transaction waits for the cleaner to free space before failing.
+const SPACE_WAIT_MAX: Duration = Duration::from_secs(30);
+
 /// One data item of a round: (txn index, mut index, chunk index or usize::MAX for xattrs).
 type Item = (usize, usize, usize);
 
@@ -180,6 +192,11 @@ pub(crate) struct Committer<D: BlockDevice> {
     ckpt_requests: Vec<Sender<Result<()>>>,
     log_bytes_since_ckpt: u64,
     failed: Option<String>,
+    /// Newest log batch known durable (the last batch of the last completed round).
+    durable_through: u64,
+    /// Transactions waiting for the cleaner to free space, and the free count when they parked.
+    space_waiters: Vec<(Box<Prepared>, Sender<TxnResult>, Instant)>,
+    space_free_at_park: u64,
 }
 
 pub(crate) fn now_ns() -> u64 {
@@ -224,6 +241,7 @@ impl<D: BlockDevice> Committer<D> {
         next_op_seq: u64,
     ) -> Result<Self> {
         let em = Emitter::new(&sh.dev, sh.config.staging_bytes)?;
+        let durable_through = log.pos.batch_seq - 1;
         Ok(Committer {
             sh,
             em,
@@ -235,6 +253,9 @@ impl<D: BlockDevice> Committer<D> {
             ckpt_requests: Vec::new(),
             log_bytes_since_ckpt: 0,
             failed: None,
+            durable_through,
+            space_waiters: Vec::new(),
+            space_free_at_park: 0,
         })
     }
 
@@ -243,8 +264,16 @@ impl<D: BlockDevice> Committer<D> {
     pub(crate) fn run(mut self, user: Receiver<Msg>, bg: Receiver<Msg>) {
         loop {
             let busy = self.ckpt.is_some() || !self.deferred.is_empty();
+            self.retry_space_waiters();
             let first = if busy {
                 user.try_recv().or_else(|_| bg.try_recv()).ok()
+            } else if !self.space_waiters.is_empty() {
+                // Waiting for the cleaner: wake now and then to retry or time out.
+                crossbeam::select! {
+                    recv(user) -> m => match m { Ok(m) => Some(m), Err(_) => return self.shutdown() },
+                    recv(bg) -> m => m.ok(),
+                    default(Duration::from_millis(20)) => None,
+                }
             } else {
                 crossbeam::select! {
                     recv(user) -> m => match m { Ok(m) => Some(m), Err(_) => return self.shutdown() },
@@ -271,10 +300,82 @@ impl<D: BlockDevice> Committer<D> {
         }
     }
 
+    /// Write an empty batch whose `durable_through` covers every acknowledged batch, so rot in
+    /// the last of them is told apart from a torn write at the next open.
+    fn seal_log(&mut self) -> Result<()> {
+        if self.durable_through + 1 != self.log.pos.batch_seq || self.durable_through == 0 {
+            return Ok(());
+        }
+        let layout = self.log.layout;
+        let bytes = layout.batch_bytes(0, 0);
+        let placement = {
+            let mut segs = self.sh.segs.lock().unwrap();
+            self.log.place(bytes, &mut segs, now_ns())?
+        };
+        if let Some((at, h)) = placement.segment_header {
+            self.em.begin(at)?;
+            self.em.put(h.as_bytes())?;
+            self.em.pad_to_block()?;
+        }
+        let h = batch_header(
+            self.log.stream_id,
+            self.log.pos.batch_seq - 1,
+            self.log.gen,
+            0,
+            &[],
+            0,
+            0,
+            self.durable_through,
+        );
+        self.em.begin(placement.offset)?;
+        self.em.put(h.as_bytes())?;
+        self.em.pad_to_block()?;
+        self.em.finish_round()?;
+        self.durable_through = self.log.pos.batch_seq - 1;
+        Ok(())
+    }
+
+    /// Requeue parked transactions once segments were freed; fail those that waited too long.
+    fn retry_space_waiters(&mut self) {
+        if self.space_waiters.is_empty() {
+            return;
+        }
+        let free = self.sh.segs.lock().unwrap().free_count();
+        let now = Instant::now();
+        let progressed = free > self.space_free_at_park;
+        for (t, r, since) in std::mem::take(&mut self.space_waiters) {
+            if progressed {
+                self.deferred.push_back((t, r));
+            } else if now.duration_since(since) > SPACE_WAIT_MAX {
+                drop(t);
+                let segs = self.sh.segs.lock().unwrap();
+                let rep = segs.report(segs.replay_start);
+                let _ = r.send(TxnResult::Failed(StoreError::OutOfSpace {
+                    device: self.sh.name.clone(),
+                    used: rep.segments_total - rep.segments_free,
+                    total: rep.segments_total,
+                    reclaimable: rep.segments_reclaimable,
+                    reserve: rep.segments_reserve,
+                }));
+            } else {
+                self.space_waiters.push((t, r, since));
+            }
+        }
+    }
+
     fn shutdown(mut self) {
+        for (t, r, _) in std::mem::take(&mut self.space_waiters) {
+            drop(t);
+            let _ = r.send(TxnResult::Failed(StoreError::Closed));
+        }
         // Finish an in-progress checkpoint so the next open replays little.
         while self.ckpt.is_some() && self.failed.is_none() {
             self.checkpoint_step();
+        }
+        if self.failed.is_none() {
+            if let Err(e) = self.seal_log() {
+                tracing::warn!(error = %e, "could not seal the log at shutdown");
+            }
         }
         self.publish_stats();
     }
@@ -380,9 +481,14 @@ impl<D: BlockDevice> Committer<D> {
                         new_metas: vec![None; n],
                     });
                 }
-                Err(res) => {
+                Err(CheckErr::Reply(res)) => {
                     drop(txn);
                     let _ = reply.send(res);
+                }
+                Err(CheckErr::WaitSpace) => {
+                    let free = self.sh.segs.lock().unwrap().free_count();
+                    self.space_free_at_park = free;
+                    self.space_waiters.push((txn, reply, Instant::now()));
                 }
             }
         }
@@ -391,7 +497,10 @@ impl<D: BlockDevice> Committer<D> {
         }
         let written = self.write_round(&mut accepted);
         match written.and_then(|()| self.em.finish_round()) {
-            Ok(()) => self.apply(accepted),
+            Ok(()) => {
+                self.durable_through = self.log.pos.batch_seq - 1;
+                self.apply(accepted)
+            }
             Err(e) => {
                 let why = e.to_string();
                 tracing::error!(error = %why, "log write failed; the store now refuses writes");
@@ -409,7 +518,7 @@ impl<D: BlockDevice> Committer<D> {
 
     /// Check a transaction against the index and free space. `need` is what the round already
     /// takes.
-    fn check(&self, txn: &Prepared, need: u64) -> Result<Vec<Option<Arc<ObjectMeta>>>, TxnResult> {
+    fn check(&self, txn: &Prepared, need: u64) -> Result<Vec<Option<Arc<ObjectMeta>>>, CheckErr> {
         let mut cur = Vec::with_capacity(txn.muts.len());
         for m in &txn.muts {
             let now = self.sh.index.get(&m.key).map(|e| e.value().clone());
@@ -423,29 +532,46 @@ impl<D: BlockDevice> Committer<D> {
                 if txn.background {
                     self.sh.stats.reloc_conflicts.inc();
                 }
-                return Err(TxnResult::Conflict);
+                return Err(CheckErr::Reply(TxnResult::Conflict));
             }
             cur.push(now);
         }
         let segs = self.sh.segs.lock().unwrap();
-        let usable = self.log.layout.segment_bytes - self.log.layout.block;
+        let layout = self.log.layout;
+        // Usable bytes per segment, less the tail a batch may leave unused when it moves on.
+        let usable = layout.segment_bytes - layout.block - (64 * 1024 + 2 * layout.block);
         let bytes = need + txn_bytes(txn) + 4096;
-        let here = self
-            .log
-            .layout
+        let here = layout
             .segment_bytes
-            .saturating_sub(self.log.pos.off.max(self.log.layout.block));
-        let segments = bytes.saturating_sub(here).div_ceil(usable) + 1;
-        if !segs.can_take(segments, txn.background) {
+            .saturating_sub(self.log.pos.off.max(layout.block) + 64 * 1024);
+        // Each segment the round moves into allocates its own successor.
+        let segments = bytes.saturating_sub(here).div_ceil(usable);
+        // Keep room for a checkpoint: without one, segments the cleaner emptied stay pinned.
+        let ckpt = (self.sh.index.len() as u64 * 160).div_ceil(usable) + 1;
+        let floor = if txn.background {
+            ckpt
+        } else {
+            segs.reserve.max(ckpt + 2)
+        };
+        let fits = segs.free_count() >= segments + floor;
+        if !fits {
             let mut r = segs.report(self.sb.replay_batch_seq.get());
             r.segments_reclaimable = segs.pinned_dead(self.sb.replay_batch_seq.get());
-            return Err(TxnResult::Failed(StoreError::OutOfSpace {
+            // The cleaner has something to reclaim (a segment with dead data, or dead segments
+            // waiting for a checkpoint): wait for it instead of failing.
+            let head = self.log.pos.seg;
+            let cleanable =
+                segs.pick_victim(self.next_op_seq, &[head]).is_some() || r.segments_reclaimable > 0;
+            if self.sh.config.cleaner && !txn.background && cleanable {
+                return Err(CheckErr::WaitSpace);
+            }
+            return Err(CheckErr::Reply(TxnResult::Failed(StoreError::OutOfSpace {
                 device: self.sh.name.clone(),
                 used: r.segments_total - r.segments_free,
                 total: r.segments_total,
                 reclaimable: r.segments_reclaimable,
                 reserve: r.segments_reserve,
-            }));
+            })));
         }
         Ok(cur)
     }
@@ -485,11 +611,27 @@ impl<D: BlockDevice> Committer<D> {
             {
                 for (m, i, len) in txn_items {
                     let size = round_up(len as u64, block);
-                    if self.log.layout.batch_bytes(meta_len, data_len + size) > cap {
+                    // The first chunk of an object in a batch brings an owner record, so the
+                    // cleaner can find the object from the segment its data sits in.
+                    let owner_len = owner_record_len(acc[t].txn.muts[m].key.name.len()) as u64;
+                    let owner = |items: &Vec<Item>| {
+                        if items.iter().any(|&(t2, m2, _)| (t2, m2) == (t, m)) {
+                            0
+                        } else {
+                            owner_len
+                        }
+                    };
+                    if self
+                        .log
+                        .layout
+                        .batch_bytes(meta_len + owner(&items), data_len + size)
+                        > cap
+                    {
                         self.emit_batch(acc, &mut items, &mut recs, meta_len, data_len)?;
                         (meta_len, data_len) = (0, 0);
                         cap = room(&self.log);
                     }
+                    meta_len += owner(&items);
                     items.push((t, m, i));
                     data_len += size;
                 }
@@ -568,6 +710,14 @@ impl<D: BlockDevice> Committer<D> {
         debug_assert_eq!(at - data_start, data_len);
         let mut meta = Vec::with_capacity(meta_len as usize);
         let mut count = 0u32;
+        let mut owners: Vec<(usize, usize)> = Vec::new();
+        for &(t, m, _) in items.iter() {
+            if !owners.contains(&(t, m)) {
+                owners.push((t, m));
+                encode_owner(&acc[t].txn.muts[m].key, acc[t].seq, &mut meta);
+                count += 1;
+            }
+        }
         for &t in recs.iter() {
             count += self.encode_txn(&mut acc[t], &mut meta);
         }
@@ -580,6 +730,7 @@ impl<D: BlockDevice> Committer<D> {
             &meta,
             data_len,
             data_crc,
+            self.durable_through,
         );
         self.em.begin(placement.offset)?;
         self.em.put(h.as_bytes())?;
@@ -866,6 +1017,7 @@ impl<D: BlockDevice> Committer<D> {
                 c.head.gen,
                 count,
                 &meta,
+                0,
                 0,
                 0,
             );

@@ -35,6 +35,8 @@ pub const SEGMENT_CHECKPOINT: u16 = 2;
 /// Record kinds.
 pub const RECORD_OBJECT_STATE: u8 = 1;
 pub const RECORD_REMOVE: u8 = 2;
+/// Names an object whose data is in the batch (segment summary for the cleaner).
+pub const RECORD_OWNER: u8 = 3;
 
 /// Superblock flag: checkpoints disabled (every open replays the whole log; for benchmarks).
 pub const SB_FLAG_NO_CHECKPOINTS: u32 = 1;
@@ -125,7 +127,11 @@ pub struct BatchHeader {
     pub meta_crc: U32,
     /// CRC32C over the whole data area.
     pub data_crc: U32,
-    pub reserved: [u8; 12],
+    /// Every batch of this stream up to this sequence was durable (acknowledged) before this
+    /// batch was written. Replay uses it to tell a torn tail (stop) from a rotten batch that
+    /// was already acknowledged (refuse to open: data would be lost silently).
+    pub durable_through: U64,
+    pub reserved: [u8; 4],
     /// CRC32C of the header bytes before this field.
     pub header_crc: U32,
 }
@@ -286,6 +292,7 @@ mod tests {
         assert_eq!(offset_of!(BatchHeader, data_bytes), 36);
         assert_eq!(offset_of!(BatchHeader, meta_crc), 40);
         assert_eq!(offset_of!(BatchHeader, data_crc), 44);
+        assert_eq!(offset_of!(BatchHeader, durable_through), 48);
         assert_eq!(offset_of!(BatchHeader, header_crc), 60);
 
         assert_eq!(offset_of!(RecordHeader, kind), 2);

@@ -4,7 +4,7 @@ use zerocopy::{FromBytes, IntoBytes};
 
 use crate::format::{
     ChunkRef, ObjectStateBody, RecordHeader, RemoveBody, RECORD_MAGIC, RECORD_OBJECT_STATE,
-    RECORD_REMOVE,
+    RECORD_OWNER, RECORD_REMOVE,
 };
 use crate::key::ObjectKey;
 
@@ -46,6 +46,11 @@ pub enum Record {
         seq: u64,
         version: u64,
     },
+    /// The batch holds data of this object (a segment summary entry for the cleaner; replay
+    /// ignores it).
+    Owner {
+        key: ObjectKey,
+    },
 }
 
 const HDR: usize = std::mem::size_of::<RecordHeader>();
@@ -53,6 +58,11 @@ const HDR: usize = std::mem::size_of::<RecordHeader>();
 /// Encoded size of an object-state record.
 pub fn state_record_len(name_len: usize, chunks: usize) -> usize {
     HDR + 8 + name_len + std::mem::size_of::<ObjectStateBody>() + chunks * 16
+}
+
+/// Encoded size of an owner record.
+pub fn owner_record_len(name_len: usize) -> usize {
+    HDR + 8 + name_len
 }
 
 /// Encoded size of a remove record.
@@ -98,6 +108,15 @@ pub fn encode_state(key: &ObjectKey, m: &ObjectMeta, out: &mut Vec<u8>) {
     };
     out.extend_from_slice(body.as_bytes());
     out.extend_from_slice(m.chunks.as_bytes());
+    finish(out, start);
+}
+
+pub fn encode_owner(key: &ObjectKey, seq: u64, out: &mut Vec<u8>) {
+    let start = out.len();
+    let payload = owner_record_len(key.name.len()) - HDR;
+    out.extend_from_slice(header(key, RECORD_OWNER, seq, payload).as_bytes());
+    out.extend_from_slice(&key.pool.to_le_bytes());
+    out.extend_from_slice(&key.name);
     finish(out, start);
 }
 
@@ -182,6 +201,7 @@ fn decode_one(h: &RecordHeader, p: &[u8]) -> Result<Record, String> {
                 version: b.version.get(),
             })
         }
+        RECORD_OWNER => Ok(Record::Owner { key }),
         k => Err(format!("unknown record kind {k}")),
     }
 }

@@ -365,12 +365,24 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
                         index.remove(&key);
                     }
                 }
+                Record::Owner { .. } => {}
             }
         }
         report.replayed_batches += 1;
     }
     report.replayed_bytes = r.bytes_read;
     let head = r.pos;
+    if let Some((offset, seq)) = r.acked_batch_after_end(&dev, &mut q)? {
+        return Err(StoreError::Format {
+            device: name,
+            detail: format!(
+                "log batch {} (at or after byte {} of segment {}) is unreadable, but batch {seq}                  at byte {offset} was written after it had been acknowledged: acknowledged data                  is corrupt. Refusing to open rather than lose it silently; rebuild this                  device from its peers",
+                head.batch_seq,
+                head.off,
+                head.seg
+            ),
+        });
+    }
     tracing::debug!(?head, ?sb.replay_segment, replay_off = sb.replay_offset.get(), replay_batch = sb.replay_batch_seq.get(), ckpt = sb.ckpt_segment.get(), "replay done");
 
     let mut segs = Segments::new(layout.segments, layout.segment_bytes);
@@ -402,6 +414,16 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
     if head.off == 0 {
         segs.set_state(head.seg, SegState::Reserved);
     } else {
+        // The open head segment may hold no valid batch yet (its first one was torn): it is
+        // still the log's, not free.
+        if segs.infos[head.seg as usize].state == SegState::Free {
+            segs.set_state(
+                head.seg,
+                SegState::Log {
+                    max_batch_seq: head.batch_seq,
+                },
+            );
+        }
         segs.set_state(head.next_seg, SegState::Reserved);
     }
     segs.replay_start = sb.replay_batch_seq.get();
@@ -431,7 +453,8 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
         kind: SEGMENT_LOG,
         gen: sb.gen.get(),
         pos: head,
-        use_reserve: false,
+        // The commit thread's admission check enforces the reserve; placement may use it.
+        use_reserve: true,
     };
     let committer = Committer::new(sh.clone(), log, sb, next_op_seq)?;
     let (user_tx, user_rx) = crossbeam::channel::unbounded();

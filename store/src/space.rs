@@ -31,6 +31,16 @@ pub struct SegInfo {
     pub newest_seq: u64,
 }
 
+impl SpaceReport {
+    /// Bytes of object data the store can hold: all segments but the cleaner's reserve, the
+    /// open head and its reserved successor, less each segment's header block.
+    pub fn usable_bytes(&self) -> u64 {
+        self.segments_total
+            .saturating_sub(self.segments_reserve + 2)
+            * (self.segment_bytes - 4096)
+    }
+}
+
 /// Space numbers for reports and the out-of-space error.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SpaceReport {
@@ -59,7 +69,7 @@ pub struct Segments {
 
 impl Segments {
     pub fn new(count: u32, segment_bytes: u64) -> Self {
-        let reserve = (count as u64 / 20).clamp(3, 64).min(count as u64 / 2);
+        let reserve = (count as u64 / 20).clamp(4, 64).min(count as u64 / 2);
         Segments {
             infos: vec![
                 SegInfo {
@@ -238,12 +248,12 @@ mod tests {
     #[test]
     fn reserve_is_kept_from_foreground() {
         let mut s = Segments::new(10, 1 << 20);
-        assert_eq!(s.reserve, 3);
+        assert_eq!(s.reserve, 4);
         let mut got = 0;
         while s.alloc(false).is_some() {
             got += 1;
         }
-        assert_eq!(got, 7);
+        assert_eq!(got, 6);
         assert!(s.alloc(true).is_some(), "the cleaner may use the reserve");
     }
 

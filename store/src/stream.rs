@@ -274,6 +274,42 @@ impl StreamReader {
     }
 }
 
+impl StreamReader {
+    /// After the stream ended at `pos`: look through the rest of this segment and the next
+    /// one for a batch of this stream written after the missing one *and* after it had been
+    /// acknowledged (`durable_through` covers it). Finding one means the missing batch is not
+    /// a torn tail but rotten acknowledged data. Returns its byte offset and sequence.
+    pub fn acked_batch_after_end<D: BlockDevice>(
+        &mut self,
+        dev: &D,
+        q: &mut D::Queue,
+    ) -> Result<Option<(u64, u64)>> {
+        let layout = self.layout;
+        let missing = self.pos.batch_seq;
+        let mut places = vec![(self.pos.seg, self.pos.off.max(layout.block))];
+        if self.pos.off > 0 && (self.pos.next_seg as u64) < layout.segments as u64 {
+            places.push((self.pos.next_seg, layout.block));
+        }
+        for (seg, from) in places {
+            let image = Self::load(&mut self.image, &layout, dev, q, seg)?;
+            let mut off = from;
+            while off + 64 <= layout.segment_bytes {
+                if let Ok((h, _)) = BatchHeader::read_from_prefix(&image[off as usize..]) {
+                    if h.is_valid()
+                        && h.stream_id.get() == self.stream_id
+                        && h.seq.get() > missing
+                        && h.durable_through.get() >= missing
+                    {
+                        return Ok(Some((layout.segment_base(seg) + off, h.seq.get())));
+                    }
+                }
+                off += layout.block;
+            }
+        }
+        Ok(None)
+    }
+}
+
 /// Where the next batch of a stream goes, and the segment header to write first if the batch
 /// opens a segment.
 pub struct Placement {
@@ -374,6 +410,7 @@ pub fn out_of_space(segs: &Segments) -> StoreError {
 }
 
 /// Build a sealed batch header.
+#[allow(clippy::too_many_arguments)]
 pub fn batch_header(
     stream_id: u64,
     seq: u64,
@@ -382,6 +419,7 @@ pub fn batch_header(
     meta: &[u8],
     data_bytes: u64,
     data_crc: u32,
+    durable_through: u64,
 ) -> BatchHeader {
     let mut h = BatchHeader::new_zeroed();
     h.magic = BATCH_MAGIC.into();
@@ -394,6 +432,7 @@ pub fn batch_header(
     h.data_bytes = (data_bytes as u32).into();
     h.meta_crc = crc32c::crc32c(meta).into();
     h.data_crc = data_crc.into();
+    h.durable_through = durable_through.into();
     h.seal();
     let _ = h.as_bytes();
     h

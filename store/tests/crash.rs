@@ -256,84 +256,115 @@ fn sim_device(seed: u64, mb: u64) -> SimDevice {
 
 const CYCLES: usize = 3;
 
+/// One seed of the deterministic suite: CYCLES crash cycles; returns (crash points, outcome
+/// counts: in-flight lost, in-flight applied, crashed after the workload finished).
+fn deterministic_seed(seed: u64) -> (u64, [u64; 3]) {
+    let mut points = 0;
+    let mut outcomes = [0u64; 3];
+    eprintln!("crash seed {seed} (replay: NVSTORE_CRASH_SEED={seed})");
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let big = rng.gen_bool(0.05);
+    let keys: Vec<String> = (0..10).map(|i| format!("k{i}")).collect();
+    let mut dev = sim_device(seed, 256);
+    mkfs(&dev, &mkfs_opts()).unwrap();
+    let mut acked = Model::new();
+    for cycle in 0..CYCLES {
+        let ctx = format!("seed {seed} cycle {cycle}");
+        let (s, _) = Store::open(dev.clone(), Some(FSID), config(false, false))
+            .unwrap_or_else(|e| panic!("{ctx}: reopen failed: {e}"));
+        let obs = observe(&s, &keys, &ctx);
+        assert_eq!(obs, acked, "{ctx}: state at open differs from the model");
+        let ops = rng.gen_range(3..30);
+        dev.power_fail_after(rng.gen_range(1..=ops * 2));
+        let mut pending = None;
+        for _ in 0..ops {
+            if rng.gen_bool(0.1) {
+                if s.checkpoint().is_err() {
+                    break;
+                }
+                continue;
+            }
+            let txn = gen_txn(&mut rng, &keys, &acked, big);
+            tracing::debug!("{ctx}: txn {txn:?}");
+            let mut next = acked.clone();
+            let valid = apply(&mut next, &txn).is_ok();
+            match run_txn(&s, &txn) {
+                Ok(_) => {
+                    assert!(
+                        valid,
+                        "{ctx}: store accepted {txn:?}, which the model refuses"
+                    );
+                    acked = next;
+                }
+                Err(StoreError::NotFound(_) | StoreError::NoXattr { .. }) if !valid => {}
+                Err(StoreError::OutOfSpace { .. }) => break,
+                Err(e) => {
+                    assert!(dev.is_gone(), "{ctx}: {txn:?} failed before the crash: {e}");
+                    pending = Some(txn);
+                    break;
+                }
+            }
+        }
+        let finished_first = !dev.is_gone();
+        drop(s);
+        let crashed = dev.crash(seed ^ ((cycle as u64 + 1) * 0x51ed));
+        points += 1;
+        let (s, _) = Store::open(crashed.clone(), Some(FSID), config(false, false))
+            .unwrap_or_else(|e| panic!("{ctx}: open after crash failed: {e}"));
+        let obs = observe(&s, &keys, &ctx);
+        let matched = check(&obs, &acked, pending.as_ref(), &ctx);
+        outcomes[if finished_first {
+            2
+        } else if matched == acked {
+            0
+        } else {
+            1
+        }] += 1;
+        acked = matched;
+        let scrub = s.scrub();
+        assert!(
+            scrub.corrupt.is_empty() && scrub.errors.is_empty(),
+            "{ctx}: scrub after crash: {scrub:?}"
+        );
+        drop(s);
+        dev = crashed;
+    }
+    (points, outcomes)
+}
+
 #[test]
 fn deterministic_crash_points() {
     let mut points = 0;
-    let mut outcomes = [0u64; 3]; // acked-only, pending applied, workload finished first
+    let mut outcomes = [0u64; 3];
     for seed in seeds(130) {
-        eprintln!("crash seed {seed} (replay: NVSTORE_CRASH_SEED={seed})");
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let big = rng.gen_bool(0.05);
-        let keys: Vec<String> = (0..10).map(|i| format!("k{i}")).collect();
-        let mut dev = sim_device(seed, 256);
-        mkfs(&dev, &mkfs_opts()).unwrap();
-        let mut acked = Model::new();
-        for cycle in 0..CYCLES {
-            let ctx = format!("seed {seed} cycle {cycle}");
-            let (s, _) = Store::open(dev.clone(), Some(FSID), config(false, false))
-                .unwrap_or_else(|e| panic!("{ctx}: reopen failed: {e}"));
-            let obs = observe(&s, &keys, &ctx);
-            assert_eq!(obs, acked, "{ctx}: state at open differs from the model");
-            let ops = rng.gen_range(3..30);
-            dev.power_fail_after(rng.gen_range(1..=ops * 2));
-            let mut pending = None;
-            for _ in 0..ops {
-                if rng.gen_bool(0.1) {
-                    if s.checkpoint().is_err() {
-                        break;
-                    }
-                    continue;
-                }
-                let txn = gen_txn(&mut rng, &keys, &acked, big);
-                tracing::debug!("{ctx}: txn {txn:?}");
-                let mut next = acked.clone();
-                let valid = apply(&mut next, &txn).is_ok();
-                match run_txn(&s, &txn) {
-                    Ok(_) => {
-                        assert!(
-                            valid,
-                            "{ctx}: store accepted {txn:?}, which the model refuses"
-                        );
-                        acked = next;
-                    }
-                    Err(StoreError::NotFound(_) | StoreError::NoXattr { .. }) if !valid => {}
-                    Err(StoreError::OutOfSpace { .. }) => break,
-                    Err(e) => {
-                        assert!(dev.is_gone(), "{ctx}: {txn:?} failed before the crash: {e}");
-                        pending = Some(txn);
-                        break;
-                    }
-                }
-            }
-            let finished_first = !dev.is_gone();
-            drop(s);
-            let crashed = dev.crash(seed ^ ((cycle as u64 + 1) * 0x51ed));
-            points += 1;
-            let (s, _) = Store::open(crashed.clone(), Some(FSID), config(false, false))
-                .unwrap_or_else(|e| panic!("{ctx}: open after crash failed: {e}"));
-            let obs = observe(&s, &keys, &ctx);
-            let matched = check(&obs, &acked, pending.as_ref(), &ctx);
-            outcomes[if finished_first {
-                2
-            } else if matched == acked {
-                0
-            } else {
-                1
-            }] += 1;
-            acked = matched;
-            let scrub = s.scrub();
-            assert!(
-                scrub.corrupt.is_empty() && scrub.errors.is_empty(),
-                "{ctx}: scrub after crash: {scrub:?}"
-            );
-            drop(s);
-            dev = crashed;
+        let (p, o) = deterministic_seed(seed);
+        points += p;
+        for i in 0..3 {
+            outcomes[i] += o[i];
         }
     }
     eprintln!(
         "{points} crash points: {} with the in-flight txn lost, {} with it applied, {} after the workload finished",
         outcomes[0], outcomes[1], outcomes[2]
     );
+}
+
+/// Regression (seed 59): an update that kept some of an object's chunks (set_xattr) subtracted
+/// the old state's live bytes before adding the new state's, so a segment holding only those
+/// chunks hit zero live bytes for an instant and was freed while still referenced; the log
+/// later overwrote it and reads after a restart found corrupt chunks.
+#[test]
+fn regression_live_bytes_never_dip_to_zero_mid_update() {
+    deterministic_seed(59);
+}
+
+/// Regression (seed 129): a crash tore the first batch of a freshly opened segment. At the next
+/// open that head segment held no valid batch, was left marked free, and the next checkpoint
+/// took it; the log then wrote over the checkpoint, and the open after the following crash
+/// found the checkpoint incomplete.
+#[test]
+fn regression_torn_head_segment_stays_allocated() {
+    deterministic_seed(129);
 }
 
 #[test]
