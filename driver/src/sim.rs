@@ -377,6 +377,14 @@ impl SimDevice {
         flips
     }
 
+    /// Flip one bit at an exact byte offset of the medium.
+    pub fn flip_bit(&self, byte: u64, bit: u8) {
+        let mut st = self.state();
+        st.live.flip(byte, bit);
+        st.durable.flip(byte, bit);
+        st.counters.bits_flipped += 1;
+    }
+
     pub fn counters(&self) -> SimCounters {
         self.state().counters.clone()
     }

@@ -376,7 +376,10 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
         return Err(StoreError::Format {
             device: name,
             detail: format!(
-                "log batch {} (at or after byte {} of segment {}) is unreadable, but batch {seq}                  at byte {offset} was written after it had been acknowledged: acknowledged data                  is corrupt. Refusing to open rather than lose it silently; rebuild this                  device from its peers",
+                "log batch {} (at or after byte {} of segment {}) is unreadable, but batch {seq} at byte \
+                 {offset} was written after it had been acknowledged: acknowledged data is \
+                 corrupt. Refusing to open rather than lose it silently; rebuild this device \
+                 from its peers",
                 head.batch_seq,
                 head.off,
                 head.seg

@@ -118,9 +118,9 @@ fn rot_in_an_acknowledged_log_batch_refuses_to_open() {
     let objs = fill(&s, 6, 3);
     let m = s.meta(&key(&objs[0].0)).unwrap();
     drop(s);
-    // The batch header and records sit in the block(s) before the first chunk of its data.
-    let meta_block = m.chunks[0].offset.get() / BS - 1;
-    dev.flip_bits(meta_block, 1, 3, 5);
+    // The batch header sits in the block before the first chunk of its data.
+    let header = m.chunks[0].offset.get() - BS;
+    dev.flip_bit(header + 20, 3);
     let e = Store::open(dev, Some(FSID), StoreConfig::default())
         .err()
         .expect("open must refuse");
