@@ -26,10 +26,9 @@ pub enum Command {
         args: Vec<String>,
     },
     /// Label a device for a cluster and node (writes the superblock)
-    Mkfs {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
+    Mkfs(crate::storecli::MkfsArgs),
+    /// Inspect or repair a device's store offline: info, ls, stat, get, put, fsck
+    StoreTool(crate::storecli::StoreToolArgs),
     /// Run a storage node
     Node {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -113,7 +112,8 @@ pub(crate) fn not_built(group: &str, issue: u32) -> ExitCode {
 pub fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
     Ok(match cli.command {
         Command::Device { .. } => not_built("device", 3),
-        Command::Mkfs { .. } => not_built("mkfs", 4),
+        Command::Mkfs(a) => crate::storecli::run_mkfs(a)?,
+        Command::StoreTool(a) => crate::storecli::run_store_tool(a)?,
         Command::Node { .. } => not_built("node", 7),
         Command::Cluster { .. } => not_built("cluster", 7),
         Command::Put { .. } => not_built("put", 7),
