@@ -181,7 +181,17 @@ pub fn run<D: BlockDevice>(dev: &D, spec: &Spec) -> Result<Report> {
 /// Run the same workload with `fio` (io_uring engine, O_DIRECT) on `path`. Returns `Err` with
 /// the reason when fio is missing or fails.
 pub fn run_fio(path: &Path, spec: &Spec) -> std::result::Result<Report, String> {
+    run_fio_with(path, spec, &[])
+}
+
+/// [`run_fio`] with extra fio arguments (e.g. `--fdatasync=32`).
+pub fn run_fio_with(
+    path: &Path,
+    spec: &Spec,
+    extra: &[&str],
+) -> std::result::Result<Report, String> {
     let out = Command::new("fio")
+        .args(extra)
         .args([
             "--name=nvstore-compare",
             &format!("--filename={}", path.display()),

@@ -1,0 +1,390 @@
+//! `cargo bench -p nvstore-store`: the store on a FileDevice over a local file, side by side
+//! in the same run with fio on the same file:
+//! * lone synchronous 4 KiB put latency vs the device's own write + flush latency;
+//! * 4 MiB write_full MB/s (4 writers) vs fio sequential O_DIRECT write, 4 MiB blocks, QD4;
+//! * 4 KiB durable puts/s (32 writers) vs fio 4 KiB randwrite QD32 with fdatasync every 32;
+//! * 4 KiB reads/s (32 readers) vs fio 4 KiB randread QD32;
+//! * restart time at 100 k and 1 M objects, with checkpoints vs without (full replay);
+//! * write amplification under churn (70 % full, random 64 KiB overwrites);
+//! * index bytes per object and peak RSS.
+//!
+//! Environment: `NVSTORE_BENCH_DIR` (default: the target directory), `NVSTORE_BENCH_SECS`
+//! (default 10), `NVSTORE_BENCH_OBJECTS` (restart sizes, default "100000,1000000").
+//! Without `--bench` (cargo test) it runs a tiny smoke version.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use driver::workload::{run_fio_with, Pattern, Report, Spec};
+use driver::{BlockDevice, FileDevice, FileOptions, Request};
+use nvstore_store::{mkfs, MkfsOptions, ObjectKey, Store, StoreConfig};
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn fresh(path: &Path, size: u64, no_ckpt: bool) -> (Store<FileDevice>, FileDevice) {
+    let dev = FileDevice::create(path, size, FileOptions::default()).expect("bench file");
+    mkfs(
+        &dev,
+        &MkfsOptions {
+            no_checkpoints: no_ckpt,
+            ..MkfsOptions::default()
+        },
+    )
+    .expect("mkfs");
+    let reopen = FileDevice::open(path, FileOptions::default()).unwrap();
+    let (s, _) = Store::open(reopen, None, StoreConfig::default()).expect("open");
+    (s, dev)
+}
+
+fn key(i: u64) -> ObjectKey {
+    ObjectKey::new(1, format!("object-{i:010}").as_bytes(), 0)
+}
+
+fn pct(h: &hdrhistogram::Histogram<u64>, q: f64) -> f64 {
+    h.value_at_quantile(q) as f64
+}
+
+/// Run `threads` workers for `secs`; each calls `op(thread, i)`; returns ops/s.
+fn drive(threads: usize, secs: f64, op: impl Fn(usize, u64) + Sync) -> f64 {
+    let stop = AtomicBool::new(false);
+    let done = AtomicU64::new(0);
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let (stop, done, op) = (&stop, &done, &op);
+            s.spawn(move || {
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    op(t, i);
+                    i += 1;
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+        }
+        std::thread::sleep(Duration::from_secs_f64(secs));
+        stop.store(true, Ordering::Relaxed);
+    });
+    done.load(Ordering::Relaxed) as f64 / t0.elapsed().as_secs_f64()
+}
+
+fn fio(
+    path: &Path,
+    pattern: Pattern,
+    bs: u32,
+    depth: u32,
+    span: u64,
+    secs: f64,
+    extra: &[&str],
+) -> Option<Report> {
+    let spec = Spec {
+        pattern,
+        io_bytes: bs,
+        depth,
+        span_bytes: span,
+        duration: Duration::from_secs_f64(secs),
+        seed: 1,
+    };
+    match run_fio_with(path, &spec, extra) {
+        Ok(r) => Some(r),
+        Err(e) => {
+            println!("  fio unavailable: {e}");
+            None
+        }
+    }
+}
+
+fn ratio(ours: f64, theirs: Option<f64>) -> String {
+    theirs.map_or("-".into(), |t| format!("{:.2}x", ours / t))
+}
+
+fn main() {
+    let quick = !std::env::args().any(|a| a == "--bench");
+    let dir = std::env::var_os("NVSTORE_BENCH_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")));
+    let path = dir.join("store-bench.img");
+    let secs = env_u64("NVSTORE_BENCH_SECS", if quick { 1 } else { 10 }) as f64;
+    let size: u64 = if quick { 1 << 30 } else { 8 << 30 };
+    println!(
+        "nvstore store vs fio on {} ({} GiB file), {secs} s per phase{}",
+        path.display(),
+        size >> 30,
+        if quick {
+            " (smoke run: figures not meaningful)"
+        } else {
+            ""
+        }
+    );
+
+    lone_put_latency(&path, size, quick);
+    large_writes(&path, size, secs);
+    small_puts(&path, size, secs);
+    small_reads(&path, size, secs, quick);
+    let sizes: Vec<u64> = std::env::var("NVSTORE_BENCH_OBJECTS")
+        .unwrap_or_else(|_| {
+            if quick {
+                "2000,10000".into()
+            } else {
+                "100000,1000000".into()
+            }
+        })
+        .split(',')
+        .map(|s| {
+            s.parse()
+                .expect("NVSTORE_BENCH_OBJECTS is a list of numbers")
+        })
+        .collect();
+    for n in sizes {
+        restart(&path, size, n);
+    }
+    churn(
+        &path,
+        if quick { 256 << 20 } else { 2 << 30 },
+        if quick { 2 } else { 3 },
+    );
+    println!("peak RSS: {} MiB", peak_rss_kib() >> 10);
+    let _ = std::fs::remove_file(&path);
+}
+
+/// A lone synchronous put vs the device's own write + flush (FUA write) latency.
+fn lone_put_latency(path: &Path, size: u64, quick: bool) {
+    let n = if quick { 50 } else { 500 };
+    let (s, dev) = fresh(path, size, false);
+    let data = vec![7u8; 4096];
+    let mut ours = hdrhistogram::Histogram::<u64>::new(3).unwrap();
+    for i in 0..n {
+        let t = Instant::now();
+        s.write_full(&key(i % 64), &data).unwrap();
+        ours.record(t.elapsed().as_micros() as u64).unwrap();
+    }
+    drop(s);
+    // The device alone: a 4 KiB write then a flush, and a 4 KiB FUA write, into the same file.
+    let mut q = dev.open_queue().unwrap();
+    let mut raw_flush = hdrhistogram::Histogram::<u64>::new(3).unwrap();
+    let mut raw_fua = hdrhistogram::Histogram::<u64>::new(3).unwrap();
+    let mut buf = Some(dev.alloc_buf(4096).unwrap());
+    for fua in [false, true] {
+        for i in 0..n {
+            let base = dev.geometry().capacity_blocks - 16 * n - 16;
+            let lba = base + i * 8 + if fua { 8 * n } else { 0 };
+            let t = Instant::now();
+            let req = Request::write(lba, 1, buf.take().unwrap(), 0, fua, 0);
+            let c = driver::io::execute(&mut q, req, Duration::from_secs(30));
+            c.result.expect("device write");
+            buf = c.buf;
+            if !fua {
+                driver::io::flush(&mut q).unwrap();
+            }
+            let h = if fua { &mut raw_fua } else { &mut raw_flush };
+            h.record(t.elapsed().as_micros() as u64).unwrap();
+        }
+    }
+    println!("\n## lone synchronous 4 KiB put ({n} puts, one thread)");
+    println!(
+        "  store put         p50 {:>8.0} µs  p99 {:>8.0} µs",
+        pct(&ours, 0.5),
+        pct(&ours, 0.99)
+    );
+    println!(
+        "  device write+flush p50 {:>7.0} µs  p99 {:>8.0} µs",
+        pct(&raw_flush, 0.5),
+        pct(&raw_flush, 0.99)
+    );
+    println!(
+        "  device FUA write  p50 {:>8.0} µs  p99 {:>8.0} µs",
+        pct(&raw_fua, 0.5),
+        pct(&raw_fua, 0.99)
+    );
+    println!(
+        "  store overhead over the device's FUA write: {:+.0} µs at p50 (goal < 1000 µs)",
+        pct(&ours, 0.5) - pct(&raw_fua, 0.5)
+    );
+}
+
+fn large_writes(path: &Path, size: u64, secs: f64) {
+    let (s, _dev) = fresh(path, size, false);
+    let data = vec![0x5au8; 4 << 20];
+    let objects = (size / 2) / (4 << 20);
+    let ops = drive(4, secs, |t, i| {
+        s.write_full(&key((t as u64 * 1_000_000 + i) % objects), &data)
+            .unwrap();
+    });
+    let st = s.stats();
+    drop(s);
+    let ours = ops * 4.0 * 1048576.0 / 1e6;
+    let f = fio(path, Pattern::SeqWrite, 4 << 20, 4, size / 2, secs, &[]);
+    println!(
+        "\n## 4 MiB write_full, 4 writers (durable) vs fio sequential write bs=4M QD4 (O_DIRECT)"
+    );
+    println!(
+        "  store {:>8.1} MB/s ({:.1} objects/round)   fio {:>8.1} MB/s   ratio {} (goal ≥ 0.9x)",
+        ours,
+        st.txns_per_round(),
+        f.as_ref().map_or(0.0, |r| r.mb_per_s()),
+        ratio(ours, f.as_ref().map(|r| r.mb_per_s()))
+    );
+}
+
+fn small_puts(path: &Path, size: u64, secs: f64) {
+    let (s, _dev) = fresh(path, size, false);
+    let data = vec![0x11u8; 4096];
+    let ops = drive(32, secs, |t, i| {
+        s.write_full(&key(t as u64 * 1_000_000 + i % 20_000), &data)
+            .unwrap();
+    });
+    let st = s.stats();
+    drop(s);
+    let f = fio(
+        path,
+        Pattern::RandWrite,
+        4096,
+        32,
+        size / 2,
+        secs,
+        &["--fdatasync=32"],
+    );
+    println!(
+        "\n## 4 KiB durable puts, 32 writers vs fio randwrite 4K QD32 with fdatasync every 32"
+    );
+    println!(
+        "  store {:>9.0} puts/s ({:.1} puts per flush, WA {:.2})   fio {:>9.0} IOPS   ratio {} (goal ≥ 1.0x)",
+        ops,
+        st.txns_per_round(),
+        st.write_amplification(),
+        f.as_ref().map_or(0.0, |r| r.iops()),
+        ratio(ops, f.as_ref().map(|r| r.iops()))
+    );
+}
+
+fn small_reads(path: &Path, size: u64, secs: f64, quick: bool) {
+    let (s, _dev) = fresh(path, size, false);
+    let n = if quick { 5_000 } else { 200_000 };
+    let data = vec![0x22u8; 4096];
+    fill(&s, n, &data);
+    let ops = drive(32, secs, |t, i| {
+        let k = key((i.wrapping_mul(2_654_435_761) ^ t as u64 * 97) % n);
+        let r = s.read(&k, 0, 4096).unwrap();
+        assert_eq!(r.len(), 4096);
+    });
+    let span = n * 8192;
+    drop(s);
+    let f = fio(path, Pattern::RandRead, 4096, 32, span.min(size), secs, &[]);
+    println!("\n## 4 KiB reads of {n} objects, 32 readers vs fio randread 4K QD32");
+    println!(
+        "  store {:>9.0} reads/s   fio {:>9.0} IOPS   ratio {} (goal ≥ 0.9x)",
+        ops,
+        f.as_ref().map_or(0.0, |r| r.iops()),
+        ratio(ops, f.as_ref().map(|r| r.iops()))
+    );
+}
+
+/// Write `n` objects fast: 32 threads, 64-object transactions.
+fn fill(s: &Store<FileDevice>, n: u64, data: &[u8]) {
+    let next = AtomicU64::new(0);
+    std::thread::scope(|sc| {
+        for _ in 0..32 {
+            sc.spawn(|| loop {
+                let start = next.fetch_add(64, Ordering::Relaxed);
+                if start >= n {
+                    break;
+                }
+                let mut t = nvstore_store::Transaction::new();
+                for i in start..(start + 64).min(n) {
+                    t.write_full(key(i), data);
+                }
+                s.commit(t).unwrap();
+            });
+        }
+    });
+}
+
+fn restart(path: &Path, size: u64, n: u64) {
+    let data = vec![0x33u8; 1024];
+    let mut rows = Vec::new();
+    for no_ckpt in [false, true] {
+        let (s, _dev) = fresh(path, size, no_ckpt);
+        fill(&s, n, &data);
+        let idx = s.index_bytes_per_object();
+        drop(s);
+        let t = Instant::now();
+        let (s, r) = Store::open(
+            FileDevice::open(path, FileOptions::default()).unwrap(),
+            None,
+            StoreConfig::default(),
+        )
+        .unwrap();
+        let open = t.elapsed();
+        assert_eq!(r.objects, n);
+        drop(s);
+        rows.push((no_ckpt, open, r, idx));
+    }
+    println!("\n## restart with {n} objects (1 KiB each)");
+    for (no_ckpt, open, r, idx) in &rows {
+        println!(
+            "  {:<22} open {:>7.3} s: {} from checkpoint, replayed {:.1} MiB of log; index {idx:.0} B/object",
+            if *no_ckpt { "checkpoints off" } else { "with checkpoints" },
+            open.as_secs_f64(),
+            r.checkpoint_objects,
+            r.replayed_bytes as f64 / 1048576.0
+        );
+    }
+    println!(
+        "  speed-up from checkpoints: {:.1}x (goal: ≤ 1 s at 1 M objects)",
+        rows[1].1.as_secs_f64() / rows[0].1.as_secs_f64()
+    );
+}
+
+fn churn(path: &Path, size: u64, times: u64) {
+    let (s, _dev) = fresh(path, size, false);
+    let obj = 64usize << 10;
+    let count = s.space().usable_bytes() * 7 / 10 / obj as u64;
+    let data = vec![0x44u8; obj];
+    fill(&s, count, &data);
+    let before = s.stats();
+    let t = Instant::now();
+    let target = times * size / obj as u64;
+    let next = AtomicU64::new(0);
+    std::thread::scope(|sc| {
+        for th in 0..8u64 {
+            let (s, next, data) = (&s, &next, &data);
+            sc.spawn(move || {
+                let mut x = th.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+                while next.fetch_add(1, Ordering::Relaxed) < target {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    s.write_full(&key(x % count), data).unwrap();
+                }
+            });
+        }
+    });
+    let st = s.stats();
+    let user = st.user_bytes - before.user_bytes;
+    let dev = st.device_bytes_written - before.device_bytes_written;
+    println!("\n## churn: {count} objects of 64 KiB (70 % full), {target} random overwrites ({times}x the device), 8 writers");
+    println!(
+        "  write amplification {:.2} (device bytes / user bytes), {:.0} MB/s user, relocated {} MiB, {} segments cleaned, {} checkpoints",
+        dev as f64 / user as f64,
+        user as f64 / t.elapsed().as_secs_f64() / 1e6,
+        (st.relocated_bytes - before.relocated_bytes) >> 20,
+        st.cleaned_segments,
+        st.checkpoints
+    );
+}
+
+fn peak_rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
