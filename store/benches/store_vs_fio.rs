@@ -9,7 +9,8 @@
 //! * index bytes per object and peak RSS.
 //!
 //! Environment: `NVSTORE_BENCH_DIR` (default: the target directory), `NVSTORE_BENCH_SECS`
-//! (default 10), `NVSTORE_BENCH_OBJECTS` (restart sizes, default "100000,1000000").
+//! (default 10), `NVSTORE_BENCH_OBJECTS` (restart sizes, default "100000,1000000"),
+//! `NVSTORE_BENCH_ONLY` (comma list of latency, writes, puts, reads, restart, churn).
 //! Without `--bench` (cargo test) it runs a tiny smoke version.
 
 use std::path::{Path, PathBuf};
@@ -122,10 +123,23 @@ fn main() {
         }
     );
 
-    lone_put_latency(&path, size, quick);
-    large_writes(&path, size, secs);
-    small_puts(&path, size, secs);
-    small_reads(&path, size, secs, quick);
+    let only = std::env::var("NVSTORE_BENCH_ONLY").unwrap_or_default();
+    let want = |name: &str| only.is_empty() || only.split(',').any(|o| o == name);
+    if want("latency") {
+        lone_put_latency(&path, size, quick);
+    }
+    if want("writes") {
+        large_writes(&path, size, secs);
+    }
+    if want("puts") {
+        small_puts(&path, size, secs);
+    }
+    if want("reads") {
+        small_reads(&path, size, secs, quick);
+    }
+    if !only.is_empty() && !want("restart") && !want("churn") {
+        return;
+    }
     let sizes: Vec<u64> = std::env::var("NVSTORE_BENCH_OBJECTS")
         .unwrap_or_else(|_| {
             if quick {
