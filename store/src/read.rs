@@ -140,6 +140,14 @@ impl<D: BlockDevice> Shared<D> {
     /// ref) is skipped and ends a run. Returns one entry per ref: (buffer index, offset in that
     /// buffer), `usize::MAX` for holes.
     pub(crate) fn read_refs(&self, refs: &[ChunkRef], what: &'static str) -> Result<RefsRead> {
+        let (runs, loc) = self.plan_runs(refs);
+        let bufs = self.read_runs(&runs)?;
+        self.verify_refs(refs, &bufs, &loc, what)?;
+        Ok((bufs, loc))
+    }
+
+    /// Group refs into IO runs: (disk offset, bytes) per run, and per ref (run, offset in it).
+    fn plan_runs(&self, refs: &[ChunkRef]) -> (Vec<(u64, u64)>, Vec<(usize, usize)>) {
         let block = self.layout.block;
         let max = self.dev.geometry().max_transfer_bytes as u64;
         // Plan runs: (disk offset, bytes, first ref index).
@@ -167,34 +175,72 @@ impl<D: BlockDevice> Shared<D> {
                 }
             }
         }
+        (runs, loc)
+    }
+
+    /// Read each (disk offset, bytes) run into its own DMA buffer, all in flight at once up to
+    /// the queue depth. On an error the remaining reads are still drained, so the thread's
+    /// queue is left idle.
+    fn read_runs(&self, runs: &[(u64, u64)]) -> Result<Vec<DmaBuf>> {
+        let block = self.layout.block;
         let mut bufs: Vec<Option<DmaBuf>> = (0..runs.len()).map(|_| None).collect();
         self.with_queue(|q| -> Result<()> {
             let mut comps: Vec<Completion> = (0..8).map(|_| Completion::default()).collect();
             let mut next = 0;
-            let mut done = 0;
-            while done < runs.len() {
-                while next < runs.len() && q.in_flight() < q.depth() {
+            let mut error = None;
+            while next < runs.len() || q.in_flight() > 0 {
+                while error.is_none() && next < runs.len() && q.in_flight() < q.depth() {
                     let (off, len) = runs[next];
-                    let buf = self.dev.alloc_buf(len as usize)?;
-                    let req = Request::read(off / block, (len / block) as u32, buf, 0, next as u64);
-                    q.submit(req).map_err(|e| e.into_error(&self.name))?;
+                    let submitted = self
+                        .dev
+                        .alloc_buf(len as usize)
+                        .map_err(Into::into)
+                        .and_then(|buf| {
+                            let req = Request::read(
+                                off / block,
+                                (len / block) as u32,
+                                buf,
+                                0,
+                                next as u64,
+                            );
+                            q.submit(req).map_err(|e| e.into_error(&self.name).into())
+                        });
+                    if let Err(e) = submitted {
+                        error = Some(e);
+                        break;
+                    }
                     next += 1;
+                }
+                if error.is_some() && q.in_flight() == 0 {
+                    break;
                 }
                 let n = q.wait(&mut comps, 1, READ_TIMEOUT)?;
                 for c in &mut comps[..n] {
                     let c = std::mem::take(c);
-                    c.result?;
-                    bufs[c.tag as usize] = c.buf;
-                    done += 1;
+                    match c.result {
+                        Ok(()) => bufs[c.tag as usize] = c.buf,
+                        Err(e) => {
+                            error.get_or_insert(e.into());
+                        }
+                    }
                 }
             }
-            Ok(())
+            error.map_or(Ok(()), Err)
         })?;
-        let bufs: Vec<DmaBuf> = bufs
+        Ok(bufs
             .into_iter()
             .map(|b| b.expect("every run completed"))
-            .collect();
-        for (r, &(b, at)) in refs.iter().zip(&loc) {
+            .collect())
+    }
+
+    fn verify_refs(
+        &self,
+        refs: &[ChunkRef],
+        bufs: &[DmaBuf],
+        loc: &[(usize, usize)],
+        what: &'static str,
+    ) -> Result<()> {
+        for (r, &(b, at)) in refs.iter().zip(loc) {
             if b == usize::MAX {
                 continue;
             }
@@ -203,7 +249,7 @@ impl<D: BlockDevice> Shared<D> {
                 return Err(self.corrupted(what, r, found));
             }
         }
-        Ok((bufs, loc))
+        Ok(())
     }
 
     /// Read one chunk ref fully into a Vec (read-modify-write, xattrs, the cleaner).
@@ -214,31 +260,45 @@ impl<D: BlockDevice> Shared<D> {
         Ok(v)
     }
 
-    fn read_meta(&self, m: &ObjectMeta, offset: u64, len: u64) -> Result<ReadBuf> {
+    /// The chunk refs covering `offset..offset+len` of an object (holes as zero refs), the
+    /// first chunk index, and the clamped end.
+    fn refs_for(&self, m: &ObjectMeta, offset: u64, len: u64) -> (Vec<ChunkRef>, usize, u64) {
         let cb = self.chunk_bytes;
-        let end = (offset + len).min(m.size);
+        let end = offset.saturating_add(len).min(m.size);
+        if offset >= end {
+            return (Vec::new(), 0, end);
+        }
+        let first = (offset / cb) as usize;
+        let last = ((end - 1) / cb) as usize;
+        let refs = (first..=last)
+            .map(|i| m.chunks.get(i).copied().unwrap_or_default())
+            .collect();
+        (refs, first, end)
+    }
+
+    /// Turn read runs into the parts of a result: one part per run (chunks in a run are
+    /// logically consecutive), one per hole. Takes the run buffers out of `bufs`.
+    fn assemble(
+        &self,
+        m: &ObjectMeta,
+        offset: u64,
+        end: u64,
+        first: usize,
+        loc: &[(usize, usize)],
+        bufs: &mut [Option<DmaBuf>],
+    ) -> ReadBuf {
+        let cb = self.chunk_bytes;
         let mut out = ReadBuf {
             parts: Vec::new(),
             version: m.version,
         };
-        if offset >= end {
-            return Ok(out);
-        }
-        let first = (offset / cb) as usize;
-        let last = ((end - 1) / cb) as usize;
-        let refs: Vec<ChunkRef> = (first..=last)
-            .map(|i| m.chunks.get(i).copied().unwrap_or_default())
-            .collect();
-        let (bufs, loc) = self.read_refs(&refs, "object chunk")?;
-        let mut bufs: Vec<Option<DmaBuf>> = bufs.into_iter().map(Some).collect();
-        // One part per run buffer (chunks in a run are logically consecutive), one per hole.
         let mut i = 0;
-        while i < refs.len() {
+        while i < loc.len() {
             let c = (first + i) as u64;
             let lo = (c * cb).max(offset);
             let (b, at) = loc[i];
             let mut j = i + 1;
-            while j < refs.len() && b != usize::MAX && loc[j].0 == b {
+            while j < loc.len() && b != usize::MAX && loc[j].0 == b {
                 j += 1;
             }
             let hi = ((first + j) as u64 * cb).min(end);
@@ -255,7 +315,84 @@ impl<D: BlockDevice> Shared<D> {
             }
             i = j;
         }
-        Ok(out)
+        out
+    }
+
+    fn read_meta(&self, m: &ObjectMeta, offset: u64, len: u64) -> Result<ReadBuf> {
+        let (refs, first, end) = self.refs_for(m, offset, len);
+        let (bufs, loc) = self.read_refs(&refs, "object chunk")?;
+        let mut bufs: Vec<Option<DmaBuf>> = bufs.into_iter().map(Some).collect();
+        Ok(self.assemble(m, offset, end, first, &loc, &mut bufs))
+    }
+
+    /// Several reads in one go from the calling thread: every object's IOs are in flight
+    /// together (up to the queue depth), so one thread drives the device at depth.
+    pub(crate) fn read_many(&self, reqs: &[(ObjectKey, u64, u64)]) -> Vec<Result<ReadBuf>> {
+        let mut plans = Vec::with_capacity(reqs.len());
+        let mut all: Vec<ChunkRef> = Vec::new();
+        for (key, off, len) in reqs {
+            match self.lookup(key) {
+                Ok(m) => {
+                    let (refs, first, end) = self.refs_for(&m, *off, *len);
+                    let at = all.len();
+                    all.extend_from_slice(&refs);
+                    all.push(ChunkRef::default()); // a hole keeps runs from spanning objects
+                    plans.push(Ok((m, first, end, at, refs.len())));
+                }
+                Err(e) => plans.push(Err(e)),
+            }
+        }
+        let (runs, loc) = self.plan_runs(&all);
+        let mut bufs: Vec<Option<DmaBuf>> = match self.read_runs(&runs) {
+            Ok(b) => b.into_iter().map(Some).collect(),
+            Err(_) => {
+                // A device error: fall back to one read each, so each gets its own result.
+                return reqs
+                    .iter()
+                    .map(|(k, o, l)| self.read_object(k, *o, *l))
+                    .collect();
+            }
+        };
+        let mut out = Vec::with_capacity(reqs.len());
+        for (i, plan) in plans.into_iter().enumerate() {
+            let (m, first, end, at, n) = match plan {
+                Ok(p) => p,
+                Err(e) => {
+                    out.push(Err(e));
+                    continue;
+                }
+            };
+            let (key, off, len) = &reqs[i];
+            let refs = &all[at..at + n];
+            let locs = &loc[at..at + n];
+            let verified = {
+                let mut ok = Ok(());
+                for (r, &(b, pos)) in refs.iter().zip(locs) {
+                    if b == usize::MAX {
+                        continue;
+                    }
+                    let buf = bufs[b].as_ref().expect("run buffer present");
+                    let found = buf.crc32c(0, pos, r.len.get() as usize);
+                    if found != r.crc.get() {
+                        ok = Err(self.corrupted("object chunk", r, found));
+                        break;
+                    }
+                }
+                ok
+            };
+            match verified {
+                Ok(()) => {
+                    let rb = self.assemble(&m, *off, end, first, locs, &mut bufs);
+                    self.stats.reads.inc();
+                    self.stats.read_bytes.add(rb.len() as u64);
+                    out.push(Ok(rb));
+                }
+                // Moved underneath (or really corrupt): the single-read path retries or
+                // reports it.
+                Err(_) => out.push(self.read_object(key, *off, *len)),
+            }
+        }
+        out
     }
 
     pub(crate) fn read_object(&self, key: &ObjectKey, offset: u64, len: u64) -> Result<ReadBuf> {
@@ -357,6 +494,12 @@ impl<D: BlockDevice + 'static> Store<D> {
     /// Read `len` bytes at `offset` (clamped to the object's size) into DMA buffers.
     pub fn read(&self, key: &ObjectKey, offset: u64, len: u64) -> Result<ReadBuf> {
         self.sh.read_object(key, offset, len)
+    }
+
+    /// Several reads issued together from this thread (up to the device queue depth in
+    /// flight): for callers serving many requests, such as a node's op worker.
+    pub fn read_many(&self, reqs: &[(ObjectKey, u64, u64)]) -> Vec<Result<ReadBuf>> {
+        self.sh.read_many(reqs)
     }
 
     /// Read a range into a new Vec.
