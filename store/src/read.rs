@@ -103,6 +103,9 @@ impl ReadBuf {
     }
 }
 
+/// IO runs (disk offset, bytes), and per ref (run index, offset in the run).
+type RunPlan = (Vec<(u64, u64)>, Vec<(usize, usize)>);
+
 /// Buffers of a `read_refs`, and per ref (buffer index, offset in it).
 pub(crate) type RefsRead = (Vec<DmaBuf>, Vec<(usize, usize)>);
 
@@ -147,7 +150,7 @@ impl<D: BlockDevice> Shared<D> {
     }
 
     /// Group refs into IO runs: (disk offset, bytes) per run, and per ref (run, offset in it).
-    fn plan_runs(&self, refs: &[ChunkRef]) -> (Vec<(u64, u64)>, Vec<(usize, usize)>) {
+    fn plan_runs(&self, refs: &[ChunkRef]) -> RunPlan {
         let block = self.layout.block;
         let max = self.dev.geometry().max_transfer_bytes as u64;
         // Plan runs: (disk offset, bytes, first ref index).
