@@ -282,7 +282,7 @@ fn small_reads(path: &Path, size: u64, secs: f64, quick: bool) {
     let data = vec![0x22u8; 4096];
     fill(&s, n, &data);
     let ops = drive(32, secs, |t, i| {
-        let k = key((i.wrapping_mul(2_654_435_761) ^ t as u64 * 97) % n);
+        let k = key((i.wrapping_mul(2_654_435_761) ^ (t as u64 * 97)) % n);
         let r = s.read(&k, 0, 4096).unwrap();
         assert_eq!(r.len(), 4096);
     });
