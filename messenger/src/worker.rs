@@ -674,8 +674,8 @@ impl Worker {
                 .map_or(HEADER_SIZE, |h| h.frame_len());
             return Violation::Truncated { have, want }.into();
         }
-        match (&c.phase, &c.role) {
-            (Phase::Handshake(_), Role::Client { .. }) => Close::Auth(AuthFailure::ClosedByPeer),
+        match c.phase {
+            Phase::Handshake(_) => Close::Auth(AuthFailure::ClosedByPeer),
             _ => Close::PeerClosed,
         }
     }
@@ -784,7 +784,7 @@ impl Worker {
             let crc = crc32c::crc32c(&data[p0..p0 + in_payload]);
             let mut trailer = [0u8; TRAILER_SIZE];
             let in_trailer = have - in_payload;
-            trailer[..in_trailer].copy_from_slice(&data[p0 + plen..p0 + plen + in_trailer]);
+            trailer[..in_trailer].copy_from_slice(&data[p0 + in_payload..p0 + in_payload + in_trailer]);
             c.rx.start = c.rx.chunk.filled();
             c.rx.large = Some(LargeRx {
                 header,
