@@ -784,7 +784,8 @@ impl Worker {
             let crc = crc32c::crc32c(&data[p0..p0 + in_payload]);
             let mut trailer = [0u8; TRAILER_SIZE];
             let in_trailer = have - in_payload;
-            trailer[..in_trailer].copy_from_slice(&data[p0 + in_payload..p0 + in_payload + in_trailer]);
+            trailer[..in_trailer]
+                .copy_from_slice(&data[p0 + in_payload..p0 + in_payload + in_trailer]);
             c.rx.start = c.rx.chunk.filled();
             c.rx.large = Some(LargeRx {
                 header,
@@ -1087,11 +1088,11 @@ impl Worker {
 
     fn close_conn(&mut self, mut c: Conn, reason: Close) {
         let addr = c.shared.peer_addr;
-        let who = c
-            .shared
-            .peer
-            .get()
-            .map_or_else(|| "unauthenticated".to_string(), |p| p.to_string());
+        let who = match (&c.phase, c.shared.peer.get()) {
+            (Phase::Open, Some(p)) => p.to_string(),
+            (_, Some(p)) => format!("unauthenticated (expected {p})"),
+            (_, None) => "unauthenticated".to_string(),
+        };
         let counters = &self.ctx.counters;
         match &reason {
             Close::Violation(_) => {

@@ -8,7 +8,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
-use nvstore_messenger::{Config, Dispatcher, Error, Identity, Incoming, Messenger, OutMessage, Payload, Responder, Secret};
+use nvstore_messenger::{
+    Config, Dispatcher, Error, Identity, Incoming, Messenger, OutMessage, Payload, Responder,
+    Secret,
+};
 
 const T: Duration = Duration::from_secs(10);
 
@@ -22,13 +25,22 @@ fn request_reply_round_trips_bytes_and_binds_identities() {
         assert_eq!(conn.peer(), SERVER);
         for i in 0..200u32 {
             let body: Vec<u8> = (0..i * 13).map(|b| (b ^ i) as u8).collect();
-            let r = c.send_request(&conn, OutMessage::new(ECHO, body.clone()), T).unwrap();
+            let r = c
+                .send_request(&conn, OutMessage::new(ECHO, body.clone()), T)
+                .unwrap();
             assert_eq!(&*r.payload, &body[..]);
             assert_eq!(r.msg_type, ECHO);
         }
         let s = server.stats();
-        assert_eq!(s.total(|w| w.frames_in), 200 + 2, "two handshake frames, then the requests");
-        assert_eq!(s.total(|w| w.protocol_errors) + s.total(|w| w.auth_failures), 0);
+        assert_eq!(
+            s.total(|w| w.frames_in),
+            200 + 2,
+            "two handshake frames, then the requests"
+        );
+        assert_eq!(
+            s.total(|w| w.protocol_errors) + s.total(|w| w.auth_failures),
+            0
+        );
     }
 }
 
@@ -37,15 +49,27 @@ fn request_reply_round_trips_bytes_and_binds_identities() {
 #[test]
 fn large_and_small_frames_interleave_intact() {
     let k = Secret::generate();
-    let (_server, addr) = start_server(Config { workers: 2, ..small_config() }, &k, Arc::new(Echo { inline: false }));
+    let (_server, addr) = start_server(
+        Config {
+            workers: 2,
+            ..small_config()
+        },
+        &k,
+        Arc::new(Echo { inline: false }),
+    );
     let c = client(small_config(), 1, &k);
     let conn = c.connect(addr, SERVER).unwrap();
-    let big: Arc<[u8]> = (0..(4usize << 20) + 12345).map(|i| (i * 7 + i / 4096) as u8).collect::<Vec<_>>().into();
+    let big: Arc<[u8]> = (0..(4usize << 20) + 12345)
+        .map(|i| (i * 7 + i / 4096) as u8)
+        .collect::<Vec<_>>()
+        .into();
     let (tx, rx) = crossbeam::channel::unbounded();
     for i in 0..12usize {
         let msg = match i % 3 {
             0 => OutMessage::new(ECHO, big.clone()),
-            1 => OutMessage::new(ECHO, vec![i as u8; 100]).with_part(big.clone()).with_part(&b"tail"[..]),
+            1 => OutMessage::new(ECHO, vec![i as u8; 100])
+                .with_part(big.clone())
+                .with_part(&b"tail"[..]),
             _ => OutMessage::new(ECHO, vec![i as u8; 17_000]),
         };
         let tx = tx.clone();
@@ -76,10 +100,18 @@ impl Dispatcher for Collect {
     fn handle(&self, mut msg: Incoming) {
         match msg.msg_type() {
             // Never answered: parks the responder.
-            2 => self.parked.lock().unwrap().push(msg.take_responder().unwrap()),
+            2 => self
+                .parked
+                .lock()
+                .unwrap()
+                .push(msg.take_responder().unwrap()),
             // Dropped without answer: the requester hears "abandoned" at once.
             3 => drop(msg),
-            _ => self.got.lock().unwrap().push((msg.peer(), msg.payload().to_vec())),
+            _ => self
+                .got
+                .lock()
+                .unwrap()
+                .push((msg.peer(), msg.payload().to_vec())),
         }
     }
 }
@@ -87,12 +119,16 @@ impl Dispatcher for Collect {
 #[test]
 fn oneway_timeout_and_abandoned_requests() {
     let k = Secret::generate();
-    let d = Arc::new(Collect { got: Mutex::new(Vec::new()), parked: Mutex::new(Vec::new()) });
+    let d = Arc::new(Collect {
+        got: Mutex::new(Vec::new()),
+        parked: Mutex::new(Vec::new()),
+    });
     let (_server, addr) = start_server(small_config(), &k, d.clone());
     let c = client(small_config(), 3, &k);
     let conn = c.connect(addr, SERVER).unwrap();
     for i in 0..50u8 {
-        c.send_oneway(&conn, OutMessage::new(9, vec![i; i as usize])).unwrap();
+        c.send_oneway(&conn, OutMessage::new(9, vec![i; i as usize]))
+            .unwrap();
     }
     wait_until("one-way messages", T, || d.got.lock().unwrap().len() == 50);
     for (i, (who, body)) in d.got.lock().unwrap().iter().enumerate() {
@@ -100,11 +136,29 @@ fn oneway_timeout_and_abandoned_requests() {
         assert_eq!(body, &vec![i as u8; i]);
     }
     let r = c.send_request(&conn, OutMessage::empty(2), Duration::from_millis(30));
-    assert!(matches!(r, Err(Error::Timeout { what: "reply", .. })), "{r:?}");
+    assert!(
+        matches!(r, Err(Error::Timeout { what: "reply", .. })),
+        "{r:?}"
+    );
     let r = c.send_request(&conn, OutMessage::empty(3), T);
-    assert!(matches!(r, Err(Error::RequestAbandoned { identity: Identity::Node(0), .. })), "{r:?}");
+    assert!(
+        matches!(
+            r,
+            Err(Error::RequestAbandoned {
+                identity: Identity::Node(0),
+                ..
+            })
+        ),
+        "{r:?}"
+    );
     // The parked request's late reply is counted and dropped.
-    d.parked.lock().unwrap().pop().unwrap().reply(OutMessage::empty(2)).unwrap();
+    d.parked
+        .lock()
+        .unwrap()
+        .pop()
+        .unwrap()
+        .reply(OutMessage::empty(2))
+        .unwrap();
     wait_until("late reply", T, || c.stats().total(|w| w.late_replies) == 1);
 }
 
@@ -112,10 +166,23 @@ fn oneway_timeout_and_abandoned_requests() {
 fn oversized_send_is_refused_locally() {
     let k = Secret::generate();
     let (_server, addr) = start_server(small_config(), &k, Arc::new(Echo { inline: true }));
-    let c = client(Config { payload_bytes_max: 1000, ..small_config() }, 1, &k);
+    let c = client(
+        Config {
+            payload_bytes_max: 1000,
+            ..small_config()
+        },
+        1,
+        &k,
+    );
     let conn = c.connect(addr, SERVER).unwrap();
     let r = c.send_oneway(&conn, OutMessage::new(1, vec![0; 1001]));
-    assert!(matches!(r, Err(Error::PayloadTooLarge { len: 1001, max: 1000 })));
+    assert!(matches!(
+        r,
+        Err(Error::PayloadTooLarge {
+            len: 1001,
+            max: 1000
+        })
+    ));
 }
 
 struct Hold {
@@ -137,7 +204,10 @@ impl Dispatcher for Hold {
 #[test]
 fn connection_loss_fails_pending_and_client_reconnects() {
     let k = Secret::generate();
-    let hold = Arc::new(Hold { parked: Mutex::new(Vec::new()), disconnects: AtomicU64::new(0) });
+    let hold = Arc::new(Hold {
+        parked: Mutex::new(Vec::new()),
+        disconnects: AtomicU64::new(0),
+    });
     let (server, addr) = start_server(small_config(), &k, hold.clone());
     let c = client(small_config(), 5, &k);
     let conn = c.connect(addr, SERVER).unwrap();
@@ -146,7 +216,9 @@ fn connection_loss_fails_pending_and_client_reconnects() {
         let tx = tx.clone();
         conn.request_with(OutMessage::empty(1), T, move |r| tx.send(r).unwrap());
     }
-    wait_until("requests parked", T, || hold.parked.lock().unwrap().len() == 3);
+    wait_until("requests parked", T, || {
+        hold.parked.lock().unwrap().len() == 3
+    });
     hold.parked.lock().unwrap().clear();
     drop(server);
     for _ in 0..3 {
@@ -161,9 +233,18 @@ fn connection_loss_fails_pending_and_client_reconnects() {
         }
     }
     wait_until("client notices", T, || !conn.is_open());
-    assert!(matches!(conn.send_oneway(OutMessage::empty(1)), Err(Error::NotConnected { .. })));
+    assert!(matches!(
+        conn.send_oneway(OutMessage::empty(1)),
+        Err(Error::NotConnected { .. })
+    ));
     // Same address, new server.
-    let server2 = Messenger::new(small_config(), SERVER, k.clone(), Arc::new(Echo { inline: true })).unwrap();
+    let server2 = Messenger::new(
+        small_config(),
+        SERVER,
+        k.clone(),
+        Arc::new(Echo { inline: true }),
+    )
+    .unwrap();
     let mut bound = None;
     for _ in 0..100 {
         if let Ok(a) = server2.listen(addr) {
@@ -174,7 +255,9 @@ fn connection_loss_fails_pending_and_client_reconnects() {
     }
     assert_eq!(bound, Some(addr));
     wait_until("reconnected", T, || conn.is_open());
-    let r = conn.request(OutMessage::new(ECHO, b"again".to_vec()), T).unwrap();
+    let r = conn
+        .request(OutMessage::new(ECHO, b"again".to_vec()), T)
+        .unwrap();
     assert_eq!(&*r.payload, b"again");
     assert!(c.stats().total(|w| w.reconnects) >= 1);
 }
@@ -182,7 +265,14 @@ fn connection_loss_fails_pending_and_client_reconnects() {
 #[test]
 fn connect_to_nothing_fails_and_wrong_node_is_refused() {
     let k = Secret::generate();
-    let c = client(Config { connect_timeout: Duration::from_secs(2), ..small_config() }, 1, &k);
+    let c = client(
+        Config {
+            connect_timeout: Duration::from_secs(2),
+            ..small_config()
+        },
+        1,
+        &k,
+    );
     let nobody = {
         let l = std::net::TcpListener::bind(localhost()).unwrap();
         l.local_addr().unwrap()
@@ -207,7 +297,11 @@ fn payload_views_outlive_the_message_and_go_back_to_the_pool() {
     let c = client(small_config(), 1, &k);
     let conn = c.connect(addr, SERVER).unwrap();
     for i in 0..4000u32 {
-        conn.send_oneway(OutMessage::new(1, [&i.to_le_bytes()[..], &[7u8; 96]].concat())).unwrap();
+        conn.send_oneway(OutMessage::new(
+            1,
+            [&i.to_le_bytes()[..], &[7u8; 96]].concat(),
+        ))
+        .unwrap();
     }
     wait_until("all kept", T, || kept.lock().unwrap().len() == 4000);
     for (i, p) in kept.lock().unwrap().iter().enumerate() {
@@ -219,21 +313,41 @@ fn payload_views_outlive_the_message_and_go_back_to_the_pool() {
     assert!(before.fresh >= 8, "{before:?}");
     kept.lock().unwrap().clear();
     let after = server.stats().pool;
-    assert!(after.returned >= before.returned + 7, "chunks go back to the pool: {before:?} -> {after:?}");
+    assert!(
+        after.returned >= before.returned + 7,
+        "chunks go back to the pool: {before:?} -> {after:?}"
+    );
 }
 
 #[test]
 fn many_connections_many_threads() {
     let k = Secret::generate();
-    let (server, addr) = start_server(Config { workers: 2, handler_threads: 2, ..Config::default() }, &k, Arc::new(Echo { inline: false }));
-    let c = Arc::new(client(Config { workers: 2, ..small_config() }, 1, &k));
+    let (server, addr) = start_server(
+        Config {
+            workers: 2,
+            handler_threads: 2,
+            ..Config::default()
+        },
+        &k,
+        Arc::new(Echo { inline: false }),
+    );
+    let c = Arc::new(client(
+        Config {
+            workers: 2,
+            ..small_config()
+        },
+        1,
+        &k,
+    ));
     let conns: Vec<_> = (0..16).map(|_| c.connect(addr, SERVER).unwrap()).collect();
     std::thread::scope(|s| {
         for (t, conn) in conns.iter().enumerate() {
             s.spawn(move || {
                 for i in 0..100u32 {
                     let body = format!("{t}:{i}").into_bytes();
-                    let r = conn.request(OutMessage::new(ECHO, body.clone()), T).unwrap();
+                    let r = conn
+                        .request(OutMessage::new(ECHO, body.clone()), T)
+                        .unwrap();
                     assert_eq!(&*r.payload, &body[..]);
                 }
             });
@@ -241,5 +355,9 @@ fn many_connections_many_threads() {
     });
     let st = server.stats();
     assert_eq!(st.total(|w| w.conns_accepted), 16);
-    assert!(st.workers.iter().all(|w| w.conns_open == 8), "accepted connections spread over workers: {:?}", st.workers);
+    assert!(
+        st.workers.iter().all(|w| w.conns_open == 8),
+        "accepted connections spread over workers: {:?}",
+        st.workers
+    );
 }

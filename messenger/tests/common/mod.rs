@@ -36,17 +36,31 @@ pub fn localhost() -> SocketAddr {
 }
 
 pub fn small_config() -> Config {
-    Config { workers: 1, handler_threads: 1, ..Config::default() }
+    Config {
+        workers: 1,
+        handler_threads: 1,
+        ..Config::default()
+    }
 }
 
-pub fn start_server(config: Config, secret: &Secret, d: Arc<dyn Dispatcher>) -> (Messenger, SocketAddr) {
+pub fn start_server(
+    config: Config,
+    secret: &Secret,
+    d: Arc<dyn Dispatcher>,
+) -> (Messenger, SocketAddr) {
     let m = Messenger::new(config, SERVER, secret.clone(), d).unwrap();
     let addr = m.listen(localhost()).unwrap();
     (m, addr)
 }
 
 pub fn client(config: Config, id: u32, secret: &Secret) -> Messenger {
-    Messenger::new(config, Identity::Client(id), secret.clone(), Arc::new(Echo { inline: true })).unwrap()
+    Messenger::new(
+        config,
+        Identity::Client(id),
+        secret.clone(),
+        Arc::new(Echo { inline: true }),
+    )
+    .unwrap()
 }
 
 /// Poll `cond` until it holds; panics with `what` after `limit` (a liveness guard, not a
@@ -54,7 +68,10 @@ pub fn client(config: Config, id: u32, secret: &Secret) -> Messenger {
 pub fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
     let t0 = Instant::now();
     while !cond() {
-        assert!(t0.elapsed() < limit, "gave up waiting for {what} after {limit:?}");
+        assert!(
+            t0.elapsed() < limit,
+            "gave up waiting for {what} after {limit:?}"
+        );
         std::thread::sleep(Duration::from_millis(2));
     }
 }
@@ -79,7 +96,9 @@ impl Write for LogWriter {
 
 /// Capture warnings (and worse) of this test binary.
 pub fn capture_logs() {
-    let buf = LOGS.get_or_init(|| Arc::new(Mutex::new(Vec::new()))).clone();
+    let buf = LOGS
+        .get_or_init(|| Arc::new(Mutex::new(Vec::new())))
+        .clone();
     let w = LogWriter(buf);
     let _ = tracing_subscriber::fmt()
         .with_max_level(tracing::Level::WARN)
@@ -91,7 +110,11 @@ pub fn capture_logs() {
 /// The captured log lines that mention `needle_a` and `needle_b`.
 pub fn log_lines_with(needle_a: &str, needle_b: &str) -> Vec<String> {
     let buf = LOGS.get().expect("capture_logs first").lock().unwrap();
-    String::from_utf8_lossy(&buf).lines().filter(|l| l.contains(needle_a) && l.contains(needle_b)).map(str::to_owned).collect()
+    String::from_utf8_lossy(&buf)
+        .lines()
+        .filter(|l| l.contains(needle_a) && l.contains(needle_b))
+        .map(str::to_owned)
+        .collect()
 }
 
 // ---- a raw client speaking the protocol by hand -------------------------------------------------
@@ -100,7 +123,12 @@ pub fn read_frame(s: &mut TcpStream) -> (Header, Vec<u8>) {
     let mut buf = Vec::new();
     loop {
         match parse_frame(&buf, 1 << 20).expect("server sent a valid frame") {
-            Parsed::Frame(h) => return (h, buf[HEADER_SIZE..HEADER_SIZE + h.payload_len as usize].to_vec()),
+            Parsed::Frame(h) => {
+                return (
+                    h,
+                    buf[HEADER_SIZE..HEADER_SIZE + h.payload_len as usize].to_vec(),
+                )
+            }
             Parsed::NeedMore(n) => {
                 let mut more = vec![0u8; n];
                 s.read_exact(&mut more).expect("read frame");
@@ -116,11 +144,14 @@ pub fn raw_authenticated(addr: SocketAddr, secret: &Secret, me: Identity) -> Tcp
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let mut hs = ClientHandshake::new(me, SERVER, fresh_nonce());
     let (k, p) = hs.hello();
-    s.write_all(&encode_frame(&handshake_header(k, p.len()), &p)).unwrap();
+    s.write_all(&encode_frame(&handshake_header(k, p.len()), &p))
+        .unwrap();
     loop {
         let (h, p) = read_frame(&mut s);
         match hs.on_frame(secret, &h, &p).expect("handshake") {
-            HsStep::Send(k, p) => s.write_all(&encode_frame(&handshake_header(k, p.len()), &p)).unwrap(),
+            HsStep::Send(k, p) => s
+                .write_all(&encode_frame(&handshake_header(k, p.len()), &p))
+                .unwrap(),
             HsStep::Done { .. } => return s,
         }
     }
@@ -143,9 +174,13 @@ pub fn closed_by_server(s: &mut TcpStream) -> bool {
 // ---- CPU readings -------------------------------------------------------------------------------
 
 pub fn cpu_ns(tids: &[i32]) -> u64 {
-    tids.iter().map(|&t| nvstore_messenger::sys::thread_cpu_ns(t).unwrap()).sum()
+    tids.iter()
+        .map(|&t| nvstore_messenger::sys::thread_cpu_ns(t).unwrap())
+        .sum()
 }
 
 pub fn cpu_ticks(tids: &[i32]) -> u64 {
-    tids.iter().map(|&t| nvstore_messenger::sys::thread_cpu_ticks(t).unwrap()).sum()
+    tids.iter()
+        .map(|&t| nvstore_messenger::sys::thread_cpu_ticks(t).unwrap())
+        .sum()
 }
