@@ -279,6 +279,17 @@ impl Conn {
     }
 }
 
+/// Why a pass waits the way it does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WaitKind {
+    /// Work is known to be ready: poll without blocking.
+    Ready,
+    /// Inside the busy-poll window after activity: poll without blocking.
+    BusyPoll,
+    /// Block until an event or the (floored) next timer.
+    Sleep,
+}
+
 /// Flow of parsing buffered bytes.
 enum Flow {
     NeedBytes,
@@ -345,22 +356,17 @@ impl Worker {
         self.ctx.counters.tid.store(gettid(), Relaxed);
         let _ = ready.send(());
         drop(ready);
-        let mut slept = false;
         while !self.stopping {
             let pass_start = Instant::now();
-            let mut timeout = self.wait_timeout(pass_start);
-            if timeout != Some(Duration::ZERO) {
-                if self.ctx.mailbox.about_to_sleep() {
-                    slept = true;
-                } else {
-                    timeout = Some(Duration::ZERO);
-                }
+            let (mut timeout, mut kind) = self.wait_timeout(pass_start);
+            if kind == WaitKind::Sleep && !self.ctx.mailbox.about_to_sleep() {
+                (timeout, kind) = (Some(Duration::ZERO), WaitKind::Ready);
             }
             let n = match self.ctx.epoll.wait(&mut self.events, timeout) {
                 Ok(n) => n,
                 Err(e) => panic!("msgr-worker-{}: epoll_wait failed: {e}", self.ctx.idx),
             };
-            if slept {
+            if kind == WaitKind::Sleep {
                 self.ctx.mailbox.awake();
                 self.ctx.counters.sleeps.add(1);
             }
@@ -369,34 +375,50 @@ impl Worker {
             let now = Instant::now();
             let fired = self.run_timers(now);
             self.flush_dirty();
-            self.account(slept, io, cmds, fired, pass_start);
+            self.account(kind, io, cmds, fired, pass_start);
             if io + cmds > 0 {
                 self.busy_until = Instant::now() + self.ctx.shared.config.busy_poll;
             }
-            slept = false;
         }
         self.stop();
     }
 
-    /// See the module docs: zero only while work is ready or inside the busy-poll window.
-    fn wait_timeout(&mut self, now: Instant) -> Option<Duration> {
+    /// See the module docs: zero only while work is known to be ready or inside the busy-poll
+    /// window.
+    fn wait_timeout(&mut self, now: Instant) -> (Option<Duration>, WaitKind) {
         let conns = &self.conns;
         let next = self.timers.next_due(|a| timer_live(conns, a));
-        if !self.ctx.mailbox.is_empty() || next.is_some_and(|d| d <= now) || now < self.busy_until {
-            return Some(Duration::ZERO);
+        if !self.ctx.mailbox.is_empty() || next.is_some_and(|d| d <= now) {
+            return (Some(Duration::ZERO), WaitKind::Ready);
         }
-        sleep_timeout(now, next, self.ctx.shared.config.sleep_floor)
+        if now < self.busy_until {
+            return (Some(Duration::ZERO), WaitKind::BusyPoll);
+        }
+        (
+            sleep_timeout(now, next, self.ctx.shared.config.sleep_floor),
+            WaitKind::Sleep,
+        )
     }
 
-    fn account(&mut self, slept: bool, io: usize, cmds: usize, fired: usize, pass_start: Instant) {
+    /// A pass that found no work is an empty iteration, unless it was a busy-poll spin (counted
+    /// apart, with its time). In the incident every "sleep" was a zero wait that found nothing:
+    /// such passes land here as empty iterations.
+    fn account(
+        &mut self,
+        kind: WaitKind,
+        io: usize,
+        cmds: usize,
+        fired: usize,
+        pass_start: Instant,
+    ) {
         let c = &self.ctx.counters;
         if io + cmds + fired == 0 {
-            if slept {
-                c.iterations.add(1);
-                c.empty_iterations.add(1);
-            } else {
+            if kind == WaitKind::BusyPoll {
                 c.busy_poll_spins.add(1);
                 c.busy_poll_ns.add(pass_start.elapsed().as_nanos() as u64);
+            } else {
+                c.iterations.add(1);
+                c.empty_iterations.add(1);
             }
             return;
         }
