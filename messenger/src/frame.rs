@@ -146,7 +146,7 @@ impl Header {
             reserved1: U32::new(0),
             header_crc: U32::new(0),
         };
-        let crc = crc32c::crc32c(&wire.as_bytes()[..offset::HEADER_CRC]);
+        let crc = crate::checksum::crc32c(&wire.as_bytes()[..offset::HEADER_CRC]);
         wire.header_crc = U32::new(crc);
         let mut out = [0u8; HEADER_SIZE];
         out.copy_from_slice(wire.as_bytes());
@@ -167,7 +167,7 @@ impl Header {
             });
         }
         let stored = wire.header_crc.get();
-        let computed = crc32c::crc32c(&bytes[..offset::HEADER_CRC]);
+        let computed = crate::checksum::crc32c(&bytes[..offset::HEADER_CRC]);
         if stored != computed {
             return Err(Violation::BadHeaderCrc { stored, computed });
         }
@@ -203,7 +203,7 @@ impl Header {
 
 /// Check a received payload against its trailer.
 pub fn check_payload(payload: &[u8], trailer: [u8; TRAILER_SIZE]) -> Result<(), Violation> {
-    check_payload_crc(crc32c::crc32c(payload), trailer)
+    check_payload_crc(crate::checksum::crc32c(payload), trailer)
 }
 
 /// Check an already computed payload crc against its trailer.
@@ -226,7 +226,7 @@ pub fn encode_frame(header: &Header, payload: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(header.frame_len());
     out.extend_from_slice(&header.encode());
     out.extend_from_slice(payload);
-    out.extend_from_slice(&crc32c::crc32c(payload).to_le_bytes());
+    out.extend_from_slice(&crate::checksum::crc32c(payload).to_le_bytes());
     out
 }
 

@@ -19,6 +19,7 @@
 //! Byte layouts: docs/format.md, "Messenger". Data flow: docs/architecture.md, "messenger".
 
 pub mod auth;
+pub mod checksum;
 pub mod conn;
 pub mod error;
 pub mod frame;

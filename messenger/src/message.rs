@@ -119,7 +119,7 @@ impl OutFrame {
         let crc = msg
             .parts
             .iter()
-            .fold(0, |c, p| crc32c::crc32c_append(c, p.bytes()));
+            .fold(0, |c, p| crate::checksum::crc32c_append(c, p.bytes()));
         let header = Header {
             kind,
             flags,
@@ -137,7 +137,7 @@ impl OutFrame {
 
     pub fn handshake(kind: FrameKind, payload: Vec<u8>) -> OutFrame {
         let header = crate::auth::handshake_header(kind, payload.len());
-        let trailer = crc32c::crc32c(&payload).to_le_bytes();
+        let trailer = crate::checksum::crc32c(&payload).to_le_bytes();
         OutFrame {
             header: header.encode(),
             len: header.frame_len(),

@@ -730,7 +730,7 @@ impl Worker {
         };
         let to_payload = n.min(missing);
         l.buf.advance(to_payload);
-        l.crc = crc32c::crc32c_append(l.crc, &l.buf.data()[before..before + to_payload]);
+        l.crc = crate::checksum::crc32c_append(l.crc, &l.buf.data()[before..before + to_payload]);
         let to_trailer = (n - to_payload).min(TRAILER_SIZE - l.trailer_have);
         l.trailer_have += to_trailer;
         chunk.advance(n - to_payload - to_trailer);
@@ -803,7 +803,7 @@ impl Worker {
             let data = c.rx.chunk.data();
             buf.spare_mut()[..in_payload].copy_from_slice(&data[p0..p0 + in_payload]);
             buf.advance(in_payload);
-            let crc = crc32c::crc32c(&data[p0..p0 + in_payload]);
+            let crc = crate::checksum::crc32c(&data[p0..p0 + in_payload]);
             let mut trailer = [0u8; TRAILER_SIZE];
             let in_trailer = have - in_payload;
             trailer[..in_trailer]
@@ -1439,23 +1439,28 @@ fn make_room(pool: &BufPool, rx: &mut Rx) {
     rx.start = 0;
 }
 
-/// Write until the queue is empty (false) or the socket is full (true).
+/// Write until the queue is empty (false) or the socket is full (true). A short write means
+/// the socket buffer is full: stop there rather than pay for a write that returns EAGAIN.
 fn write_queued(
     sock: &mut TcpStream,
     tx: &mut Tx,
     counters: &WorkerCounters,
 ) -> Result<bool, Close> {
     while !tx.queue.is_empty() {
-        let r = {
+        let (r, asked) = {
             let mut iov = [IoSlice::new(&[]); IOV_MAX];
             let k = gather(tx, &mut iov);
-            sock.write_vectored(&iov[..k])
+            let asked: usize = iov[..k].iter().map(|s| s.len()).sum();
+            (sock.write_vectored(&iov[..k]), asked)
         };
         match r {
             Ok(0) => return Err(Close::Io(io::ErrorKind::WriteZero.into())),
             Ok(n) => {
                 counters.bytes_out.add(n as u64);
                 counters.frames_out.add(consume(tx, n));
+                if n < asked {
+                    return Ok(true);
+                }
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
