@@ -46,9 +46,8 @@ impl Epoll {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: fd is a freshly created descriptor nobody else owns.
-        Ok(Epoll {
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-        })
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Epoll { fd })
     }
 
     fn ctl(&self, op: i32, fd: RawFd, events: u32, token: u64) -> io::Result<()> {
@@ -135,9 +134,8 @@ impl EventFd {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: fd is a freshly created descriptor nobody else owns.
-        Ok(EventFd {
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-        })
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(EventFd { fd })
     }
 
     pub fn raw(&self) -> RawFd {
