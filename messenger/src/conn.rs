@@ -17,6 +17,23 @@ use crate::sys::EventFd;
 use crate::throttle::Hold;
 use crate::timer::UserTimer;
 
+thread_local! {
+    static ON_WORKER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Mark the current thread as a messenger worker.
+pub(crate) fn mark_worker_thread() {
+    ON_WORKER.with(|w| w.set(true));
+}
+
+/// Blocking calls on a worker would wait for the very thread that must answer them.
+pub(crate) fn assert_not_on_worker(call: &str) {
+    assert!(
+        !ON_WORKER.with(|w| w.get()),
+        "{call} blocks and would deadlock on a messenger worker thread; use the callback form"
+    );
+}
+
 /// Which throttle a grant belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Level {
@@ -255,7 +272,9 @@ impl Connection {
     }
 
     /// Send a request and wait for its reply, its timeout, or the end of the connection.
+    /// Not on a worker thread (inline handler, reply callback, timer): that would deadlock.
     pub fn request(&self, msg: OutMessage, timeout: Duration) -> Result<Reply> {
+        assert_not_on_worker("Connection::request");
         let (tx, rx) = crossbeam::channel::bounded(1);
         self.request_with(msg, timeout, move |r| {
             let _ = tx.send(r);

@@ -252,6 +252,10 @@ impl Drop for Responder {
 /// message type for which `runs_inline` is true is handled right on the worker thread instead:
 /// only for work that is cheap and never blocks (it delays every other connection of that
 /// worker).
+///
+/// A panic in `handle` on a handler thread drops that message (a request is answered as
+/// abandoned); a panic in code running on a worker (inline handlers, `connected`,
+/// `disconnected`, reply callbacks, timers) aborts the process.
 pub trait Dispatcher: Send + Sync + 'static {
     fn handle(&self, msg: Incoming);
 

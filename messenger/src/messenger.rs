@@ -1,10 +1,13 @@
 //! The messenger: configuration, worker and handler threads, and the public entry points.
 
 use std::net::{SocketAddr, TcpListener};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
+
+use tracing::error;
 
 use crate::auth::{Identity, Secret};
 use crate::conn::{Cmd, Connection, Mailbox};
@@ -181,7 +184,15 @@ impl Messenger {
             let d = shared.dispatcher.clone();
             let h = std::thread::Builder::new()
                 .name(format!("msgr-handler-{i}"))
-                .spawn(move || rx.into_iter().for_each(|m| d.handle(m)))
+                .spawn(move || {
+                    for m in rx {
+                        // A panicking handler loses its message (a request is answered as
+                        // abandoned when the Incoming is dropped); the thread carries on.
+                        if catch_unwind(AssertUnwindSafe(|| d.handle(m))).is_err() {
+                            error!("msgr-handler-{i}: handler panicked; message dropped");
+                        }
+                    }
+                })
                 .map_err(|e| Error::io("spawn handler thread", e))?;
             handlers.push(h);
         }
@@ -194,7 +205,13 @@ impl Messenger {
             let h = std::thread::Builder::new()
                 .name(format!("msgr-worker-{i}"))
                 .spawn(move || {
-                    w.run_with_ready(ready);
+                    // A worker that panicked (in its own code, an inline handler or a reply
+                    // callback) cannot go on with half-updated connection state, and callers
+                    // waiting on it would hang: stop the process, as an assertion failure would.
+                    if catch_unwind(AssertUnwindSafe(|| w.run_with_ready(ready))).is_err() {
+                        error!("msgr-worker-{i} panicked; aborting");
+                        std::process::abort();
+                    }
                 })
                 .map_err(|e| Error::io("spawn worker thread", e))?;
             workers.push(h);
@@ -231,7 +248,9 @@ impl Messenger {
     /// Connect to `peer` at `addr` and authenticate both ways; returns once the handshake is
     /// done (or failed, or `connect_timeout` passed). The connection reconnects with backoff
     /// whenever it drops afterwards, until closed.
+    /// Blocks: not on a worker thread.
     pub fn connect(&self, addr: SocketAddr, peer: Identity) -> Result<Connection> {
+        crate::conn::assert_not_on_worker("Messenger::connect");
         let (done, rx) = crossbeam::channel::bounded(1);
         let w = self.shared.pick_worker();
         self.shared.mailboxes[w].post(Cmd::Connect { addr, peer, done });

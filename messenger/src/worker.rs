@@ -354,6 +354,7 @@ impl Worker {
     /// The thread body: report the thread id, signal `ready`, loop until shut down.
     pub fn run_with_ready(mut self, ready: Sender<()>) {
         self.ctx.counters.tid.store(gettid(), Relaxed);
+        crate::conn::mark_worker_thread();
         let _ = ready.send(());
         drop(ready);
         while !self.stopping {
@@ -870,12 +871,15 @@ impl Worker {
     }
 
     fn granted(&mut self, c: &mut Conn, level: Level, hold: Hold) -> Result<(), Close> {
+        if !c.paused {
+            // A grant for a wait that ended with the old socket (a client connection that
+            // reconnected meanwhile): give the capacity back.
+            drop(hold);
+            return Ok(());
+        }
         match level {
             Level::Conn => c.conn_hold = Some(hold),
             Level::Global => c.global_hold = Some(hold),
-        }
-        if !c.paused {
-            return Ok(());
         }
         c.paused = false;
         self.read_conn(c)?;
