@@ -408,6 +408,11 @@ fn main() {
     let secs = env_u64("NVSTORE_BENCH_SECS", if quick { 1 } else { 5 });
     let rounds = env_u64("NVSTORE_BENCH_ROUNDS", if quick { 1 } else { 3 }) as usize;
     let only = std::env::var("NVSTORE_BENCH_ONLY").unwrap_or_default();
+    if cfg!(debug_assertions) {
+        println!(
+            "(unoptimised build: a smoke run of the harness, not a measurement; use cargo bench)"
+        );
+    }
     println!(
         "nvstore-messenger vs baselines on loopback, {secs} s × {rounds} rounds (medians), {} CPUs",
         std::thread::available_parallelism().map_or(0, |n| n.get())

@@ -322,6 +322,35 @@ mod tests {
         ));
     }
 
+    proptest::proptest! {
+        /// The decoder on arbitrary bytes: no panic, never claims more than it was given.
+        #[test]
+        fn arbitrary_bytes_never_panic(data in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200)) {
+            match parse_frame(&data, 1 << 20) {
+                Ok(Parsed::Frame(h)) => proptest::prop_assert!(h.frame_len() <= data.len()),
+                Ok(Parsed::NeedMore(n)) => proptest::prop_assert!(n > 0),
+                Err(_) => {}
+            }
+        }
+
+        /// Any frame we encode decodes to itself, at any split of the stream.
+        #[test]
+        fn encoded_frames_parse_back(
+            txn in proptest::prelude::any::<u64>(),
+            msg_type in proptest::prelude::any::<u16>(),
+            payload in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+            cut in 0usize..400,
+        ) {
+            let h = Header { kind: FrameKind::OneWay, flags: 0, txn, payload_len: payload.len() as u32, msg_type };
+            let frame = encode_frame(&h, &payload);
+            let cut = cut.min(frame.len());
+            if cut < frame.len() {
+                proptest::prop_assert!(matches!(parse_frame(&frame[..cut], 1 << 20), Ok(Parsed::NeedMore(_))));
+            }
+            proptest::prop_assert_eq!(parse_frame(&frame, 1 << 20), Ok(Parsed::Frame(h)));
+        }
+    }
+
     #[test]
     fn flags_are_checked_per_kind() {
         let mut h = req(0);

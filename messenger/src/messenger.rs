@@ -336,3 +336,28 @@ impl Drop for Messenger {
         self.shutdown();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_config_is_valid_and_a_zero_floor_is_refused() {
+        Config::default().validate().unwrap();
+        let zero = Config {
+            sleep_floor: Duration::ZERO,
+            ..Config::default()
+        };
+        assert!(matches!(zero.validate(), Err(Error::Config(m)) if m.contains("sleep_floor")));
+        let spin = Config {
+            busy_poll: Duration::from_secs(1),
+            ..Config::default()
+        };
+        assert!(spin.validate().is_err());
+        let big = Config {
+            payload_bytes_max: PAYLOAD_BYTES_LIMIT + 1,
+            ..Config::default()
+        };
+        assert!(big.validate().is_err());
+    }
+}

@@ -5,6 +5,11 @@
 //! a buffer of its own sized to the frame. When the last `Payload` of a buffer is dropped (on any
 //! thread) the buffer goes back to its size class's free list, up to a cap per class.
 //!
+//! Copies on the receive path are bounded and small: when a large frame's header is parsed,
+//! the part of its payload that arrived in the same read (less than one chunk) is moved into
+//! the frame's own buffer, and the rest is read straight into it; a small frame cut by the end
+//! of a chunk moves (less than 17 KiB) to the next chunk.
+//!
 //! Soundness rule: the worker writes only into `[filled, capacity)` of a buffer; `Payload`s only
 //! cover `[0, filled)` at the time they are made, and `filled` never moves backwards while any
 //! `Payload` of the buffer exists (it is reset only when the worker's `Arc` is the only one).
