@@ -86,6 +86,8 @@ pub(crate) struct Mailbox {
     pub(crate) eventfd: EventFd,
     sleeping: AtomicBool,
     wake_pending: AtomicBool,
+    /// The worker has stopped: posts are answered (failed) by the poster.
+    closed: AtomicBool,
 }
 
 impl Mailbox {
@@ -95,16 +97,45 @@ impl Mailbox {
             eventfd: EventFd::new()?,
             sleeping: AtomicBool::new(false),
             wake_pending: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
         })
     }
 
     pub fn post(&self, cmd: Cmd) {
         self.queue.push(cmd);
+        if self.closed.load(SeqCst) {
+            // Nobody will read it: fail it here, so no caller waits forever.
+            return self.fail_queued();
+        }
         // Pairs with `about_to_sleep`: either the worker sees the command when it re-checks the
         // queue, or we see `sleeping` and write the eventfd (SeqCst on both sides).
         if self.sleeping.load(SeqCst) && !self.wake_pending.swap(true, SeqCst) {
             self.eventfd.notify();
         }
+    }
+
+    /// The worker stops: from now on commands are failed, not queued.
+    pub fn close(&self) {
+        self.closed.store(true, SeqCst);
+        self.fail_queued();
+    }
+
+    /// Answer every queued command with [`Error::Shutdown`] (dropping the rest: grants release
+    /// their capacity, frames their buffers).
+    fn fail_queued(&self) {
+        while let Some(cmd) = self.queue.pop() {
+            match cmd {
+                Cmd::Request { on_reply, .. } => on_reply(Err(Error::Shutdown)),
+                Cmd::Connect { done, .. } => {
+                    let _ = done.send(Err(Error::Shutdown));
+                }
+                _ => {}
+            }
+        }
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(SeqCst)
     }
 
     pub fn pop(&self) -> Option<Cmd> {

@@ -240,8 +240,11 @@ impl Messenger {
         let local = l
             .local_addr()
             .map_err(|e| Error::io("listener address", e))?;
-        let w = self.shared.pick_worker();
-        self.shared.mailboxes[w].post(Cmd::Listen(l));
+        let mb = &self.shared.mailboxes[self.shared.pick_worker()];
+        if mb.is_closed() {
+            return Err(Error::Shutdown);
+        }
+        mb.post(Cmd::Listen(l));
         Ok(local)
     }
 

@@ -1382,16 +1382,9 @@ impl Worker {
                 self.close_conn(c, Close::Shutdown);
             }
         }
-        // Answer whatever is still queued so no caller waits forever.
-        while let Some(cmd) = self.ctx.mailbox.pop() {
-            match cmd {
-                Cmd::Request { on_reply, .. } => on_reply(Err(Error::Shutdown)),
-                Cmd::Connect { done, .. } => {
-                    let _ = done.send(Err(Error::Shutdown));
-                }
-                _ => {}
-            }
-        }
+        // Answer whatever is still queued, and whatever is posted from now on, so no caller
+        // waits forever.
+        self.ctx.mailbox.close();
     }
 }
 

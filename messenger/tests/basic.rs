@@ -361,3 +361,25 @@ fn many_connections_many_threads() {
         st.workers
     );
 }
+
+#[test]
+fn after_shutdown_requests_fail_instead_of_hanging() {
+    let k = Secret::generate();
+    let (_server, addr) = start_server(small_config(), &k, Arc::new(Echo { inline: true }));
+    let c = client(small_config(), 1, &k);
+    let conn = c.connect(addr, SERVER).unwrap();
+    c.shutdown();
+    assert!(!conn.is_open());
+    let r = conn.request(OutMessage::empty(ECHO), T);
+    assert!(
+        matches!(r, Err(Error::NotConnected { .. } | Error::Shutdown)),
+        "{r:?}"
+    );
+    let (tx, rx) = crossbeam::channel::bounded(1);
+    conn.request_with(OutMessage::empty(ECHO), T, move |r| {
+        tx.send(r.is_err()).unwrap()
+    });
+    assert!(rx.recv().unwrap(), "callback ran with an error");
+    assert!(matches!(c.connect(addr, SERVER), Err(Error::Shutdown)));
+    assert!(matches!(c.listen(localhost()), Err(Error::Shutdown)));
+}
