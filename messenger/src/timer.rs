@@ -10,6 +10,10 @@ use std::time::{Duration, Instant};
 pub type UserTimer = Box<dyn FnMut() -> Option<Duration> + Send>;
 
 pub(crate) enum TimerAction {
+    /// Watch listener `idx` again after accept failed for lack of resources.
+    Relisten {
+        idx: usize,
+    },
     RequestTimeout {
         slot: u32,
         gen: u32,

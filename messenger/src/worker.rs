@@ -67,6 +67,8 @@ const HANDSHAKE_PAYLOAD_MAX: u32 = 128;
 const COMMANDS_PER_PASS: usize = 4096;
 const TIMERS_PER_PASS: usize = 1024;
 const ACCEPTS_PER_PASS: usize = 64;
+/// How long a listener is left alone after accept failed for lack of descriptors or memory.
+const ACCEPT_RETRY: Duration = Duration::from_millis(100);
 /// Segments per vectored write.
 const IOV_MAX: usize = 64;
 /// Read at least this much at once; a smaller tail of a chunk is abandoned for a fresh chunk.
@@ -526,8 +528,19 @@ impl Worker {
                 Ok(x) => x,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => continue,
                 Err(e) => {
-                    warn!(worker = self.ctx.idx, "accept failed: {e}");
+                    // Out of descriptors or memory: the listener stays readable, so watching it
+                    // now would spin. Stop watching it for a while instead.
+                    warn!(
+                        worker = self.ctx.idx,
+                        "accept failed: {e}; pausing this listener for {ACCEPT_RETRY:?}"
+                    );
+                    let _ = self.ctx.epoll.delete(self.listeners[li].as_raw_fd());
+                    self.timers.push(
+                        Instant::now() + ACCEPT_RETRY,
+                        TimerAction::Relisten { idx: li },
+                    );
                     return;
                 }
             };
@@ -716,6 +729,18 @@ impl Worker {
     /// Run one due timer; false if its purpose was already gone.
     fn fire(&mut self, action: TimerAction) -> bool {
         match action {
+            TimerAction::Relisten { idx } => {
+                let l = &self.listeners[idx];
+                let token = TOKEN_LISTENER_BASE + idx as u64;
+                if let Err(e) = self
+                    .ctx
+                    .epoll
+                    .add(l.as_raw_fd(), libc::EPOLLIN as u32, token)
+                {
+                    warn!(worker = self.ctx.idx, "cannot watch listener again: {e}");
+                }
+                true
+            }
             TimerAction::User(mut f) => {
                 if let Some(again) = f() {
                     self.timers
@@ -796,7 +821,7 @@ fn timer_live(conns: &[Option<Conn>], a: &TimerAction) -> bool {
             .filter(|c| c.shared.gen == gen)
     };
     match a {
-        TimerAction::User(_) => true,
+        TimerAction::User(_) | TimerAction::Relisten { .. } => true,
         TimerAction::RequestTimeout { slot, gen, txn } => {
             conn(*slot, *gen).is_some_and(|c| c.pending.contains_key(txn))
         }
