@@ -21,9 +21,9 @@ use std::sync::{Arc, Mutex};
 /// Bytes of a shared receive chunk for small frames.
 pub const CHUNK_BYTES: usize = 64 << 10;
 /// Payloads at least this large are received into a buffer of their own.
-pub const LARGE_PAYLOAD_MIN: usize = 16 << 10;
+pub const LARGE_PAYLOAD_BYTES_MIN: usize = 16 << 10;
 const _: () = assert!(
-    LARGE_PAYLOAD_MIN + 64 < CHUNK_BYTES / 2,
+    LARGE_PAYLOAD_BYTES_MIN + 64 < CHUNK_BYTES / 2,
     "a small frame must fit in half a chunk"
 );
 /// Smallest size class above the chunk; classes double up to the protocol limit.

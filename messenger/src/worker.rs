@@ -44,7 +44,7 @@ use crate::frame::{
 };
 use crate::message::{Dispatcher, Incoming, OutFrame, Reply, ReplyFn, Responder, Ticket};
 use crate::messenger::Config;
-use crate::pool::{BufPool, Payload, RecvBuf, CHUNK_BYTES, LARGE_PAYLOAD_MIN};
+use crate::pool::{BufPool, Payload, RecvBuf, CHUNK_BYTES, LARGE_PAYLOAD_BYTES_MIN};
 use crate::stats::WorkerCounters;
 use crate::sys::{gettid, sleep_timeout, Epoll};
 use crate::throttle::{Hold, Throttle, ThrottleCounters};
@@ -62,7 +62,7 @@ const TOKEN_EVENTFD: u64 = u64::MAX;
 const TOKEN_LISTENER_BASE: u64 = 1 << 63;
 const SOCK_GEN_MASK: u32 = 0x7fff_ffff;
 /// Handshake frames are tiny; a pre-authentication peer cannot make us buffer more than this.
-const HANDSHAKE_PAYLOAD_MAX: u32 = 128;
+const HANDSHAKE_PAYLOAD_BYTES_MAX: u32 = 128;
 /// Bounds per pass, so one source of work cannot starve the others.
 const COMMANDS_PER_PASS: usize = 4096;
 const TIMERS_PER_PASS: usize = 1024;

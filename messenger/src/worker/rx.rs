@@ -53,7 +53,7 @@ impl Worker {
     pub(super) fn payload_limit(&self, c: &Conn) -> u32 {
         match c.phase {
             Phase::Open => self.ctx.shared.config.payload_bytes_max,
-            _ => HANDSHAKE_PAYLOAD_MAX,
+            _ => HANDSHAKE_PAYLOAD_BYTES_MAX,
         }
     }
 
@@ -195,7 +195,7 @@ impl Worker {
                 self.deliver(c, header, payload)?;
                 continue;
             }
-            if plen < LARGE_PAYLOAD_MIN {
+            if plen < LARGE_PAYLOAD_BYTES_MIN {
                 return Ok(Flow::NeedBytes);
             }
             // A large payload gets a buffer of its own; move what already arrived into it.
@@ -423,7 +423,7 @@ pub(super) fn make_room(pool: &BufPool, rx: &mut Rx) {
         Some(_) => 0,
         None => rx.chunk.data()[rx.start..]
             .first_chunk::<HEADER_SIZE>()
-            .and_then(|h| Header::decode(h, LARGE_PAYLOAD_MIN as u32).ok())
+            .and_then(|h| Header::decode(h, LARGE_PAYLOAD_BYTES_MIN as u32).ok())
             .map_or(HEADER_SIZE, |h| h.frame_len()),
     };
     let spare = rx.chunk.capacity() - rx.chunk.filled();
