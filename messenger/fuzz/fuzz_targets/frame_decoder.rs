@@ -15,7 +15,11 @@ fuzz_target!(|data: &[u8]| {
                 let total = h.frame_len();
                 assert!(total <= rest.len(), "frame longer than its input");
                 let payload = &rest[HEADER_SIZE..HEADER_SIZE + h.payload_len as usize];
-                assert_eq!(encode_frame(&h, payload), &rest[..total], "accepted bytes do not re-encode");
+                assert_eq!(
+                    encode_frame(&h, payload),
+                    &rest[..total],
+                    "accepted bytes do not re-encode"
+                );
                 rest = &rest[total..];
             }
             Ok(Parsed::NeedMore(n)) => {

@@ -21,7 +21,11 @@ const KINDS: [FrameKind; 7] = [
 fuzz_target!(|data: &[u8]| {
     let secret = Secret::from_bytes([7; 32]);
     let mut server = Some(ServerHandshake::new(Identity::Node(1), [1; 32]));
-    let mut client = Some(ClientHandshake::new(Identity::Client(2), Identity::Node(1), [2; 32]));
+    let mut client = Some(ClientHandshake::new(
+        Identity::Client(2),
+        Identity::Node(1),
+        [2; 32],
+    ));
     let mut rest = data;
     while rest.len() >= 3 {
         let kind = KINDS[rest[0] as usize % KINDS.len()];
@@ -40,14 +44,18 @@ fuzz_target!(|data: &[u8]| {
         if to_server {
             if let Some(s) = server.as_mut() {
                 match s.on_frame(&secret, &header, payload) {
-                    Ok(HsStep::Done { peer, .. }) => panic!("server authenticated {peer} without the key"),
+                    Ok(HsStep::Done { peer, .. }) => {
+                        panic!("server authenticated {peer} without the key")
+                    }
                     Ok(HsStep::Send(..)) => {}
                     Err(_) => server = None,
                 }
             }
         } else if let Some(c) = client.as_mut() {
             match c.on_frame(&secret, &header, payload) {
-                Ok(HsStep::Done { peer, .. }) => panic!("client authenticated {peer} without the key"),
+                Ok(HsStep::Done { peer, .. }) => {
+                    panic!("client authenticated {peer} without the key")
+                }
                 Ok(HsStep::Send(..)) => {}
                 Err(_) => client = None,
             }

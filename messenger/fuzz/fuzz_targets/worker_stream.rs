@@ -13,7 +13,9 @@ use libfuzzer_sys::fuzz_target;
 use nvstore_messenger::auth::{fresh_nonce, handshake_header, ClientHandshake, HsStep};
 use nvstore_messenger::checksum::crc32c;
 use nvstore_messenger::frame::{encode_frame, parse_frame, Parsed, HEADER_SIZE};
-use nvstore_messenger::{Config, Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret, ThrottleLimits};
+use nvstore_messenger::{
+    Config, Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret, ThrottleLimits,
+};
 
 struct Echo;
 
@@ -43,13 +45,20 @@ fn server() -> &'static Server {
             workers: 1,
             handler_threads: 0,
             payload_bytes_max: 256 << 10,
-            conn_throttle: ThrottleLimits { messages_max: 2, bytes_max: 64 << 10 },
+            conn_throttle: ThrottleLimits {
+                messages_max: 2,
+                bytes_max: 64 << 10,
+            },
             handshake_timeout: Duration::from_secs(2),
             ..Config::default()
         };
         let m = Messenger::new(cfg, Identity::Node(0), secret.clone(), Arc::new(Echo)).unwrap();
         let addr = m.listen("127.0.0.1:0".parse().unwrap()).unwrap();
-        Server { _m: m, addr, secret }
+        Server {
+            _m: m,
+            addr,
+            secret,
+        }
     })
 }
 
@@ -57,7 +66,12 @@ fn read_frame(s: &mut TcpStream) -> Option<(nvstore_messenger::frame::Header, Ve
     let mut buf = Vec::new();
     loop {
         match parse_frame(&buf, 1 << 20).ok()? {
-            Parsed::Frame(h) => return Some((h, buf[HEADER_SIZE..HEADER_SIZE + h.payload_len as usize].to_vec())),
+            Parsed::Frame(h) => {
+                return Some((
+                    h,
+                    buf[HEADER_SIZE..HEADER_SIZE + h.payload_len as usize].to_vec(),
+                ))
+            }
             Parsed::NeedMore(n) => {
                 let mut more = vec![0u8; n];
                 s.read_exact(&mut more).ok()?;
@@ -70,11 +84,14 @@ fn read_frame(s: &mut TcpStream) -> Option<(nvstore_messenger::frame::Header, Ve
 fn authenticate(s: &mut TcpStream, secret: &Secret) -> Option<()> {
     let mut hs = ClientHandshake::new(Identity::Client(1), Identity::Node(0), fresh_nonce());
     let (k, p) = hs.hello();
-    s.write_all(&encode_frame(&handshake_header(k, p.len()), &p)).ok()?;
+    s.write_all(&encode_frame(&handshake_header(k, p.len()), &p))
+        .ok()?;
     loop {
         let (h, p) = read_frame(s)?;
         match hs.on_frame(secret, &h, &p).ok()? {
-            HsStep::Send(k, p) => s.write_all(&encode_frame(&handshake_header(k, p.len()), &p)).ok()?,
+            HsStep::Send(k, p) => s
+                .write_all(&encode_frame(&handshake_header(k, p.len()), &p))
+                .ok()?,
             HsStep::Done { .. } => return Some(()),
         }
     }
@@ -98,7 +115,9 @@ fn fix_crcs(data: &mut [u8]) {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let Some((&mode, stream)) = data.split_first() else { return };
+    let Some((&mode, stream)) = data.split_first() else {
+        return;
+    };
     let srv = server();
     let mut s = TcpStream::connect(srv.addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
