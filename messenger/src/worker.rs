@@ -452,11 +452,7 @@ impl Worker {
             sock_gen: 0,
             phase,
             role,
-            rx: Rx {
-                chunk: sh.pool.take(CHUNK_BYTES),
-                start: 0,
-                large: None,
-            },
+            rx: Rx::new(),
             tx: Tx::default(),
             pending: HashMap::new(),
             conn_throttle: Throttle::new(sh.config.conn_throttle, sh.conn_counters.clone()),

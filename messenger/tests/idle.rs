@@ -26,6 +26,10 @@ fn idle_messenger_with_100_idle_connections_uses_no_cpu() {
             .unwrap();
     }
     assert_eq!(server.stats().total(|w| w.conns_open), 100);
+    // Idle connections hold no receive memory: the chunks went back to the pool and were
+    // reused, a handful for all 100 connections.
+    let pool = server.stats().pool;
+    assert!(pool.fresh <= 8, "{pool:?}");
     // Let busy-poll windows and in-flight wakes end.
     std::thread::sleep(Duration::from_millis(100));
 

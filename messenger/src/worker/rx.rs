@@ -24,20 +24,52 @@ impl LargeRx {
 }
 
 pub(super) struct Rx {
-    pub(super) chunk: RecvBuf,
+    /// The shared receive chunk; `None` while the connection has nothing buffered, so an idle
+    /// connection holds no receive memory.
+    pub(super) chunk: Option<RecvBuf>,
     /// First unparsed byte of `chunk`.
     pub(super) start: usize,
     pub(super) large: Option<LargeRx>,
 }
 
 impl Rx {
+    pub(super) fn new() -> Rx {
+        Rx {
+            chunk: None,
+            start: 0,
+            large: None,
+        }
+    }
+
+    /// The received, unparsed bytes of the chunk.
+    pub(super) fn unparsed(&self) -> &[u8] {
+        self.chunk.as_ref().map_or(&[], |c| &c.data()[self.start..])
+    }
+
     pub(super) fn buffered(&self) -> usize {
-        self.chunk.filled() - self.start
+        self.unparsed().len()
+    }
+
+    /// A zero-copy view of `len` unparsed bytes from `offset` (relative to the unparsed start).
+    fn freeze(&self, offset: usize, len: usize) -> Payload {
+        self.chunk
+            .as_ref()
+            .expect("bytes are buffered")
+            .freeze(self.start + offset, len)
+    }
+
+    /// Give the chunk back when nothing is buffered (its payloads keep it alive until dropped).
+    pub(super) fn release_if_idle(&mut self) {
+        if self.large.is_none() && self.buffered() == 0 {
+            self.chunk = None;
+            self.start = 0;
+        }
     }
 
     pub(super) fn discard(&mut self) {
         self.large = None;
-        self.start = self.chunk.filled();
+        self.chunk = None;
+        self.start = 0;
     }
 }
 
@@ -74,7 +106,10 @@ impl Worker {
                     self.ctx.counters.bytes_in.add(n as u64);
                     budget = budget.saturating_sub(n);
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    c.rx.release_if_idle();
+                    return Ok(());
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(Close::Io(e)),
             }
@@ -92,10 +127,11 @@ impl Worker {
         }
         let have = c.rx.buffered();
         if have > 0 {
-            let want = c.rx.chunk.data()[c.rx.start..]
-                .first_chunk::<HEADER_SIZE>()
-                .and_then(|h| Header::decode(h, u32::MAX).ok())
-                .map_or(HEADER_SIZE, |h| h.frame_len());
+            let want =
+                c.rx.unparsed()
+                    .first_chunk::<HEADER_SIZE>()
+                    .and_then(|h| Header::decode(h, u32::MAX).ok())
+                    .map_or(HEADER_SIZE, |h| h.frame_len());
             return Violation::Truncated { have, want }.into();
         }
         match c.phase {
@@ -112,6 +148,7 @@ impl Worker {
             .as_mut()
             .expect("reading a connection without a socket");
         let Rx { chunk, large, .. } = &mut c.rx;
+        let chunk = chunk.as_mut().expect("make_room provides a chunk");
         let Some(l) = large.as_mut() else {
             let n = sock.read(chunk.spare_mut())?;
             chunk.advance(n);
@@ -156,7 +193,9 @@ impl Worker {
             if avail < HEADER_SIZE {
                 return Ok(Flow::NeedBytes);
             }
-            let head = *c.rx.chunk.data()[c.rx.start..]
+            let head = *c
+                .rx
+                .unparsed()
                 .first_chunk::<HEADER_SIZE>()
                 .expect("avail checked");
             let header = Header::decode(&head, self.payload_limit(c))?;
@@ -183,14 +222,14 @@ impl Worker {
             }
             let total = header.frame_len();
             let plen = header.payload_len as usize;
-            let p0 = c.rx.start + HEADER_SIZE;
+            let p0 = HEADER_SIZE;
             if avail >= total {
-                let data = c.rx.chunk.data();
+                let data = c.rx.unparsed();
                 let trailer = *data[p0 + plen..]
                     .first_chunk::<TRAILER_SIZE>()
                     .expect("frame complete");
                 check_payload(&data[p0..p0 + plen], trailer)?;
-                let payload = c.rx.chunk.freeze(p0, plen);
+                let payload = c.rx.freeze(p0, plen);
                 c.rx.start += total;
                 self.deliver(c, header, payload)?;
                 continue;
@@ -202,7 +241,7 @@ impl Worker {
             let have = avail - HEADER_SIZE;
             let in_payload = have.min(plen);
             let mut buf = self.ctx.shared.pool.take(plen);
-            let data = c.rx.chunk.data();
+            let data = c.rx.unparsed();
             buf.spare_mut()[..in_payload].copy_from_slice(&data[p0..p0 + in_payload]);
             buf.advance(in_payload);
             let crc = crate::checksum::crc32c(&data[p0..p0 + in_payload]);
@@ -210,7 +249,7 @@ impl Worker {
             let in_trailer = have - in_payload;
             trailer[..in_trailer]
                 .copy_from_slice(&data[p0 + in_payload..p0 + in_payload + in_trailer]);
-            c.rx.start = c.rx.chunk.filled();
+            c.rx.start += avail;
             c.rx.large = Some(LargeRx {
                 header,
                 buf,
@@ -411,28 +450,35 @@ impl Worker {
     }
 }
 
-/// Make sure the chunk has room for the next read (and, for a partial small frame, room for the
-/// whole frame), moving a partial frame to a fresh chunk when needed.
+/// Make sure there is a chunk with room for the next read (and, for a partial small frame, room
+/// for the whole frame), moving a partial frame to a fresh chunk when needed.
 pub(super) fn make_room(pool: &BufPool, rx: &mut Rx) {
     let pending = rx.buffered();
-    if pending == 0 && rx.chunk.reset_if_unshared() {
+    let Some(chunk) = rx.chunk.as_mut() else {
+        rx.chunk = Some(pool.take(CHUNK_BYTES));
+        rx.start = 0;
+        return;
+    };
+    if pending == 0 && chunk.reset_if_unshared() {
         rx.start = 0;
         return;
     }
     let want = match rx.large {
         Some(_) => 0,
-        None => rx.chunk.data()[rx.start..]
+        None => rx
+            .unparsed()
             .first_chunk::<HEADER_SIZE>()
             .and_then(|h| Header::decode(h, LARGE_PAYLOAD_BYTES_MIN as u32).ok())
             .map_or(HEADER_SIZE, |h| h.frame_len()),
     };
-    let spare = rx.chunk.capacity() - rx.chunk.filled();
-    if spare >= READ_MIN_BYTES && rx.start + want <= rx.chunk.capacity() {
+    let chunk = rx.chunk.as_ref().expect("checked above");
+    let spare = chunk.capacity() - chunk.filled();
+    if spare >= READ_MIN_BYTES && rx.start + want <= chunk.capacity() {
         return;
     }
     let mut fresh = pool.take(CHUNK_BYTES);
-    fresh.spare_mut()[..pending].copy_from_slice(&rx.chunk.data()[rx.start..]);
+    fresh.spare_mut()[..pending].copy_from_slice(rx.unparsed());
     fresh.advance(pending);
-    rx.chunk = fresh;
+    rx.chunk = Some(fresh);
     rx.start = 0;
 }
