@@ -197,9 +197,10 @@ fn saturated_throttle_and_sub_microsecond_timers_do_not_spin() {
         empty * 20 <= iterations,
         "{empty} of {iterations} iterations were empty"
     );
-    // Busy-polling happens only in bounded windows after activity.
+    // Busy-polling happens only in bounded windows after activity (slack: a spin pass
+    // preempted by other load counts the time it was off the CPU).
     assert!(
-        busy_ns <= activity * busy_poll.as_nanos() as u64 + 10_000_000,
+        busy_ns <= activity * busy_poll.as_nanos() as u64 + 50_000_000,
         "busy-poll {busy_ns} ns exceeds {activity} windows"
     );
     // The incident: 100 % of a core. Bounded by the work: well under half a core here.
