@@ -4,6 +4,8 @@
 //!   single stream. Goal ≥ 0.9×.
 //! * Small request/reply: 50 connections, one request in flight each, vs `redis-server` +
 //!   `redis-benchmark -t ping -c 50`. Goal ≥ 1.0×. p50/p99 latency and CPU per op for both.
+//!   Then the same with one connection (latency). The messenger runs with its default
+//!   busy-poll window and with busy-polling off, to show what the window buys and costs.
 //!
 //! Rounds alternate baseline and messenger; the table shows medians. Environment:
 //! `NVSTORE_BENCH_SECS` seconds per run (default 5; 1 without `--bench`),
@@ -25,7 +27,6 @@ const BULK: u16 = 1;
 const PING: u16 = 2;
 const BULK_BYTES: usize = 4 << 20;
 const BULK_WINDOW: usize = 4;
-const SMALL_CONNS: usize = 50;
 const T: Duration = Duration::from_secs(30);
 
 fn env_u64(name: &str, default: u64) -> u64 {
@@ -52,13 +53,17 @@ impl Dispatcher for Server {
     }
 }
 
-fn pair() -> (Messenger, Messenger, SocketAddr) {
+/// A server and a client messenger, one worker each; `busy_poll` `None` keeps the default.
+fn pair(busy_poll: Option<Duration>) -> (Messenger, Messenger, SocketAddr) {
     let k = Secret::generate();
-    let cfg = Config {
+    let mut cfg = Config {
         workers: 1,
         handler_threads: 0,
         ..Config::default()
     };
+    if let Some(bp) = busy_poll {
+        cfg.busy_poll = bp;
+    }
     let server =
         Messenger::new(cfg.clone(), Identity::Node(0), k.clone(), Arc::new(Server)).unwrap();
     let addr = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
@@ -123,7 +128,7 @@ struct Bulk {
 }
 
 fn bulk_messenger(secs: u64) -> Bulk {
-    let (_server, client, addr) = pair();
+    let (_server, client, addr) = pair(None);
     let conn = client.connect(addr, Identity::Node(0)).unwrap();
     let data: Arc<[u8]> = (0..BULK_BYTES)
         .map(|i| (i * 31 + i / 977) as u8)
@@ -283,9 +288,9 @@ fn ping(conn: Connection, lp: Arc<Loop>) {
     });
 }
 
-fn small_messenger(secs: u64) -> Small {
-    let (_server, client, addr) = pair();
-    let conns: Vec<_> = (0..SMALL_CONNS)
+fn small_messenger(secs: u64, conns_n: usize, busy_poll: Option<Duration>) -> Small {
+    let (_server, client, addr) = pair(busy_poll);
+    let conns: Vec<_> = (0..conns_n)
         .map(|_| client.connect(addr, Identity::Node(0)).unwrap())
         .collect();
     let run = |d: Duration| {
@@ -300,7 +305,7 @@ fn small_messenger(secs: u64) -> Small {
         for c in &conns {
             ping(c.clone(), lp.clone());
         }
-        for _ in 0..SMALL_CONNS {
+        for _ in 0..conns_n {
             rx.recv().unwrap();
         }
         (lp, t0.elapsed().as_secs_f64(), self_cpu() - cpu0)
@@ -329,7 +334,7 @@ impl Drop for Redis {
     }
 }
 
-fn small_redis(secs: u64, expected_ops: f64) -> Small {
+fn small_redis(secs: u64, conns_n: usize, expected_ops: f64) -> Small {
     let port = free_port().to_string();
     let child = Command::new("redis-server")
         .args([
@@ -364,7 +369,7 @@ fn small_redis(secs: u64, expected_ops: f64) -> Small {
             "-t",
             "ping",
             "-c",
-            "50",
+            &conns_n.to_string(),
             "-n",
             &n,
             "--csv",
@@ -396,6 +401,13 @@ fn small_redis(secs: u64, expected_ops: f64) -> Small {
         p99_us: best[5] * 1e3,
         cpu_us_per_op: cpu * 1e6 / total_ops,
     }
+}
+
+fn small_cell(o: &Small) -> String {
+    format!(
+        "{:.0} op/s, p50 {:.0} µs, p99 {:.0} µs, {:.1} µs cpu/op",
+        o.ops, o.p50_us, o.p99_us, o.cpu_us_per_op
+    )
 }
 
 fn median_by<T>(mut v: Vec<T>, key: impl Fn(&T) -> f64) -> T {
@@ -440,26 +452,30 @@ fn main() {
     if only.is_empty() || only == "small" {
         need("redis-server");
         need("redis-benchmark");
-        let (mut ours, mut base) = (Vec::new(), Vec::new());
-        for _ in 0..rounds {
-            let o = small_messenger(secs);
-            base.push(small_redis(secs, o.ops));
-            ours.push(o);
+        for conns_n in [50usize, 1] {
+            let (mut polled, mut unpolled, mut base) = (Vec::new(), Vec::new(), Vec::new());
+            for _ in 0..rounds {
+                let o = small_messenger(secs, conns_n, None);
+                base.push(small_redis(secs, conns_n, o.ops));
+                polled.push(o);
+                unpolled.push(small_messenger(secs, conns_n, Some(Duration::ZERO)));
+            }
+            let b = median_by(base, |x| x.ops);
+            let goal = if conns_n == 50 { "≥ 1.00×" } else { "-" };
+            for (label, v) in [
+                ("busy-poll 50 µs (default)", polled),
+                ("busy-poll off", unpolled),
+            ] {
+                let o = median_by(v, |x| x.ops);
+                rows.push([
+                    format!("request/reply, {conns_n} conn, {label}"),
+                    small_cell(&o),
+                    format!("redis ping -c {conns_n}: {}", small_cell(&b)),
+                    format!("{:.2}×", o.ops / b.ops),
+                    goal.to_string(),
+                ]);
+            }
         }
-        let (o, b) = (median_by(ours, |x| x.ops), median_by(base, |x| x.ops));
-        rows.push([
-            format!("request/reply, {SMALL_CONNS} connections"),
-            format!(
-                "{:.0} op/s, p50 {:.0} µs, p99 {:.0} µs, {:.1} µs cpu/op",
-                o.ops, o.p50_us, o.p99_us, o.cpu_us_per_op
-            ),
-            format!(
-                "redis ping -c 50: {:.0} op/s, p50 {:.0} µs, p99 {:.0} µs, {:.1} µs cpu/op",
-                b.ops, b.p50_us, b.p99_us, b.cpu_us_per_op
-            ),
-            format!("{:.2}×", o.ops / b.ops),
-            "≥ 1.00×".to_string(),
-        ]);
     }
     print_table(
         &["workload", "nvstore-messenger", "baseline", "ratio", "goal"],

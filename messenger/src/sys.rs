@@ -157,6 +157,12 @@ impl EventFd {
     }
 }
 
+/// Give the CPU to another runnable thread, if any (returns at once otherwise).
+pub fn yield_cpu() {
+    // SAFETY: sched_yield has no preconditions.
+    unsafe { libc::sched_yield() };
+}
+
 /// This thread's kernel thread id (for /proc/self/task/TID).
 pub fn gettid() -> i32 {
     // SAFETY: gettid has no preconditions.

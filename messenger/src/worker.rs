@@ -335,6 +335,10 @@ impl Worker {
             self.account(kind, io, cmds, fired, pass_start);
             if io + cmds > 0 {
                 self.busy_until = Instant::now() + self.ctx.shared.config.busy_poll;
+            } else if kind == WaitKind::BusyPoll && fired == 0 {
+                // Poll politely: let any other runnable thread on this CPU (often the peer that
+                // is about to send what we are polling for) run before polling again.
+                crate::sys::yield_cpu();
             }
         }
         self.stop();
