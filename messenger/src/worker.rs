@@ -5,7 +5,9 @@
 //! connections that have output. The wait's timeout is chosen by [`Worker::wait_timeout`]:
 //! * zero while work is known to be ready (commands queued, timers already due);
 //! * zero for a bounded busy-poll window after socket or mailbox activity (a reply usually
-//!   follows a request within microseconds; polling avoids a sleep/wake pair);
+//!   follows a request within microseconds; polling avoids a sleep/wake pair), yielding the
+//!   CPU between empty polls so a polling worker never keeps a runnable peer thread (often the
+//!   one about to send what it polls for) off a shared core;
 //! * otherwise sleep until the next timer, **floored** ([`crate::sys::sleep_timeout`]), or until
 //!   an event when there is no timer. Never zero while nothing is ready.
 //!
