@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 /// nanoseconds and **floored** at `floor`, so it is never zero (never a spinning
 /// `epoll_wait(0)`) however close the timer is or however coarse a clock would round it. A timer
 /// due inside the floor fires on the next wake, at most `floor` (plus kernel timer slack) late.
-/// Timers already due are work, not sleep: the caller runs them before asking.
+/// A timer already due gets the floor too: the caller has just run the due timers, so one due
+/// now was armed during that pass, and firing it at once would let a self-re-arming timer spin
+/// the loop.
 pub fn sleep_timeout(
     now: Instant,
     next_timer: Option<Instant>,

@@ -3,7 +3,7 @@
 //! # The loop
 //! Each pass: wait on epoll, handle socket events, drain the mailbox, fire due timers, flush the
 //! connections that have output. The wait's timeout is chosen by [`Worker::wait_timeout`]:
-//! * zero while work is known to be ready (commands queued, timers already due);
+//! * zero while commands are queued;
 //! * zero for a bounded busy-poll window after socket or mailbox activity (a reply usually
 //!   follows a request within microseconds; polling avoids a sleep/wake pair), yielding the
 //!   CPU between empty polls so a polling worker never keeps a runnable peer thread (often the
@@ -11,8 +11,10 @@
 //! * otherwise sleep until the next timer, **floored** ([`crate::sys::sleep_timeout`]), or until
 //!   an event when there is no timer. Never zero while nothing is ready.
 //!
-//! Timers firing do not start the busy-poll window: a timer chain re-arming itself sub-µs ahead
-//! (the incident) costs one floored sleep and one wake per firing, never a spin.
+//! Timers firing do not start the busy-poll window, and a due timer does not make the wait zero:
+//! a timer chain re-arming itself sub-µs ahead (the incident) costs one floored sleep and one
+//! wake per firing, never a spin. Timers fire at most `sleep_floor` late (plus kernel timer
+//! slack), or earlier when socket or mailbox activity wakes the worker.
 //!
 //! # Backpressure
 //! A frame's header is decoded before its payload is read; requests and one-way messages then
@@ -346,12 +348,15 @@ impl Worker {
         self.stop();
     }
 
-    /// See the module docs: zero only while work is known to be ready or inside the busy-poll
-    /// window.
+    /// See the module docs: zero only while commands are queued or inside the busy-poll
+    /// window. A timer that is already due does not make the wait zero: this pass just ran the
+    /// due timers, so one due now was armed (or left over) during it, and it fires after the
+    /// floored sleep. Otherwise a timer re-arming itself less than one pass ahead would turn the
+    /// loop into a spin: the incident again, with "ready" work instead of a truncated timeout.
     fn wait_timeout(&mut self, now: Instant) -> (Option<Duration>, WaitKind) {
         let conns = &self.conns;
         let next = self.timers.next_due(|a| timer_live(conns, a));
-        if !self.ctx.mailbox.is_empty() || next.is_some_and(|d| d <= now) {
+        if !self.ctx.mailbox.is_empty() {
             return (Some(Duration::ZERO), WaitKind::Ready);
         }
         if now < self.busy_until {

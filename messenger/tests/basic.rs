@@ -383,3 +383,51 @@ fn after_shutdown_requests_fail_instead_of_hanging() {
     assert!(matches!(c.connect(addr, SERVER), Err(Error::Shutdown)));
     assert!(matches!(c.listen(localhost()), Err(Error::Shutdown)));
 }
+
+/// A timer due inside the sleep floor fires on the next wake, late but not lost; a chain of
+/// such timers fires at most once per floor, however close it asks to be.
+#[test]
+fn timers_inside_the_floor_fire_late_never_faster_than_the_floor() {
+    let k = Secret::generate();
+    let floor = Duration::from_millis(2);
+    let m = Messenger::new(
+        Config {
+            sleep_floor: floor,
+            busy_poll: Duration::ZERO,
+            ..small_config()
+        },
+        SERVER,
+        k,
+        Arc::new(Echo { inline: true }),
+    )
+    .unwrap();
+    let once = Arc::new(AtomicU64::new(0));
+    let o = once.clone();
+    let armed = std::time::Instant::now();
+    m.schedule_timer(0, Duration::from_micros(10), move || {
+        o.store(armed.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        None
+    });
+    wait_until("one-shot timer", T, || once.load(Ordering::Relaxed) > 0);
+    assert!(
+        once.load(Ordering::Relaxed) >= 10_000,
+        "fired before it was due"
+    );
+
+    let fires = Arc::new(AtomicU64::new(0));
+    let f = fires.clone();
+    let t0 = std::time::Instant::now();
+    m.schedule_timer(0, Duration::from_nanos(1), move || {
+        f.fetch_add(1, Ordering::Relaxed);
+        Some(Duration::from_nanos(1))
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let (n, elapsed) = (fires.load(Ordering::Relaxed), t0.elapsed());
+    let bound = (elapsed.as_nanos() / floor.as_nanos()) as u64 + 2;
+    assert!(
+        n >= 1 && n <= bound,
+        "{n} firings in {elapsed:?}, at most {bound} allowed by the floor"
+    );
+    let w = m.stats().workers[0];
+    assert_eq!(w.empty_iterations, 0, "{w:?}");
+}

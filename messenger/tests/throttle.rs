@@ -166,7 +166,9 @@ fn a_connection_at_its_cap_does_not_block_others_and_waits_without_polling() {
         (1, 0),
         "A still paused while B was served"
     );
-    // Paused, nothing else to do: the worker must be asleep, not retrying.
+    // Paused, nothing else to do: once the busy-poll window after B's traffic has passed, the
+    // worker must be asleep, not retrying.
+    std::thread::sleep(Duration::from_millis(20));
     let w0 = server.stats().workers[0];
     std::thread::sleep(Duration::from_millis(300));
     let w1 = server.stats().workers[0];
