@@ -137,7 +137,7 @@ mod tests {
                 },
             );
         }
-        let live = |a: &TimerAction| key(a) % 1000 == 0;
+        let live = |a: &TimerAction| key(a).is_multiple_of(1000);
         assert_eq!(t.next_due(live), Some(now + Duration::from_micros(1000)));
         t.maybe_compact(live);
         assert_eq!(t.len(), 3);
