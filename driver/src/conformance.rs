@@ -438,6 +438,37 @@ pub fn threads_verified<D: BlockDevice>(dev: &D, threads: usize, ios_per_thread:
     });
 }
 
+/// A queue handle is `Send`: used on one thread, then moved to another (idle in between), it
+/// keeps working. (Regression: the io_uring backend's thread check counted the request being
+/// submitted as already in flight and refused every moved handle.)
+pub fn queue_moves_between_threads<D: BlockDevice>(dev: &D) {
+    let bs = dev.geometry().block_size as usize;
+    let mut q = dev.open_queue().unwrap();
+    let mut w = dev.alloc_buf(bs).unwrap();
+    fill_pattern(&mut w, 0, bs, 4242, 0);
+    ok(
+        execute(&mut q, Request::write(7, 1, w, 0, false, 1), IO_TIMEOUT),
+        "write on the first thread",
+    );
+    for round in 0..3 {
+        q = std::thread::scope(|s| {
+            s.spawn(move || {
+                let r = dev.alloc_buf(bs).unwrap();
+                let what = format!("read on moved thread {round}");
+                let r = ok(
+                    execute(&mut q, Request::read(7, 1, r, 0, 2), IO_TIMEOUT),
+                    &what,
+                )
+                .unwrap();
+                check_pattern(&r, 0, bs, 4242, 0, &what);
+                q
+            })
+            .join()
+            .unwrap()
+        });
+    }
+}
+
 /// `poll` never returns more than the slice holds, and `wait` with a timeout returns when
 /// nothing is in flight instead of hanging.
 pub fn poll_bounded<D: BlockDevice>(dev: &D) {
@@ -507,6 +538,11 @@ macro_rules! conformance_tests {
         fn conformance_threads_verified() {
             let f = $make;
             $crate::conformance::threads_verified(&f.dev, 4, 2000);
+        }
+        #[test]
+        fn conformance_queue_moves_between_threads() {
+            let f = $make;
+            $crate::conformance::queue_moves_between_threads(&f.dev);
         }
         #[test]
         fn conformance_poll_bounded() {

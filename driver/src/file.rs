@@ -534,21 +534,23 @@ impl QueueHandle for FileQueue {
         if let Err(e) = req.validate(&self.dev.name, &self.dev.geometry) {
             return Err(SubmitError::rejected(e, req));
         }
-        let Some(slot) = self.free.pop() else {
+        if self.free.is_empty() {
             return Err(SubmitError::full(req));
-        };
+        }
+        // Before taking a slot: the ring check counts the requests in flight.
+        if let Err(e) = self.uring() {
+            return Err(SubmitError::rejected(e, req));
+        }
+        let slot = self.free.pop().expect("checked non-empty");
         let bs = self.dev.geometry.block_size as u64;
         let expect = if req.op.has_data() {
             (req.blocks as u64 * bs) as usize
         } else {
             0
         };
-        let ring = match self.uring() {
-            Ok(r) => r,
-            Err(e) => {
-                self.free.push(slot);
-                return Err(SubmitError::rejected(e, req));
-            }
+        let ring = match &mut self.ring {
+            Ring::Uring(st) => st.ring.as_mut(),
+            Ring::Sync(_) => None,
         };
         match ring {
             Some(ring) => {
