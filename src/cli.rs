@@ -22,8 +22,8 @@ pub struct Cli {
 pub enum Command {
     /// NVMe devices: list, bind to vfio-pci, unbind, identify
     Device {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
+        #[command(subcommand)]
+        what: crate::device::DeviceCommand,
     },
     /// Label a device for a cluster and node (writes the superblock)
     Mkfs {
@@ -112,7 +112,7 @@ pub(crate) fn not_built(group: &str, issue: u32) -> ExitCode {
 
 pub fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
     Ok(match cli.command {
-        Command::Device { .. } => not_built("device", 3),
+        Command::Device { what } => crate::device::run(what)?,
         Command::Mkfs { .. } => not_built("mkfs", 4),
         Command::Node { .. } => not_built("node", 7),
         Command::Cluster { .. } => not_built("cluster", 7),

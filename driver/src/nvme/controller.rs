@@ -90,8 +90,11 @@ pub struct ControllerInfo {
     pub volatile_write_cache: bool,
     /// Atomic write unit power fail, in blocks (AWUPF + 1).
     pub atomic_write_blocks: u32,
-    /// I/O queue pairs granted by Set Features – Number of Queues.
+    /// I/O queue pairs in use: what Set Features – Number of Queues granted, capped at
+    /// [`NvmeOptions::io_queues_max`].
     pub io_queues: u16,
+    /// I/O queue pairs the controller said it allocated (its limit when asked for more).
+    pub io_queues_allocated: u16,
 }
 
 impl ControllerInfo {
@@ -730,13 +733,14 @@ fn run_state_machine(
                     opts.admin_timeout,
                     state.describe(),
                 )?;
-                let granted = ((c.dw0 & 0xffff) as u16)
+                let allocated = ((c.dw0 & 0xffff) as u16)
                     .min((c.dw0 >> 16) as u16)
-                    .saturating_add(1)
-                    .min(want);
+                    .saturating_add(1);
+                let granted = allocated.min(want);
                 found.io_queues = Some(granted);
                 if let Some(info) = found.info.as_mut() {
                     info.io_queues = granted;
+                    info.io_queues_allocated = allocated;
                 }
                 BringUp::Ready
             }
@@ -762,6 +766,7 @@ fn controller_info(id: &IdentifyController, cap: Cap, vs: u32) -> ControllerInfo
         volatile_write_cache: id.vwc & 1 == 1,
         atomic_write_blocks: id.awupf.get() as u32 + 1,
         io_queues: 0,
+        io_queues_allocated: 0,
     }
 }
 
@@ -898,6 +903,7 @@ mod tests {
             volatile_write_cache: true,
             atomic_write_blocks: 1,
             io_queues: 8,
+            io_queues_allocated: 64,
         }
     }
 
