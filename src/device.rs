@@ -121,15 +121,16 @@ pub fn block_devices(f: &PciFunction) -> Vec<BlockDev> {
             }
         }
     }
-    // Multipath kernels name the disk nvme0n1 under /sys/block while the controller lists
-    // nvme0c0n1: look the disk names up in /sys/block.
+    // Multipath kernels list the per-path node nvme0c0n1 under the controller; the disk users
+    // see is nvme0n1 (the head). Prefer the head when it exists.
     let mut out = Vec::new();
     let mut seen = HashSet::new();
     for n in names {
-        let disk = if Path::new("/sys/block").join(&n).exists() {
-            n.clone()
+        let head = head_name(&n);
+        let disk = if Path::new("/sys/block").join(&head).exists() {
+            head
         } else {
-            n.replacen(&format!("c{}", ctrl_index(&n)), "", 1)
+            n
         };
         if seen.insert(disk.clone()) && Path::new("/sys/block").join(&disk).exists() {
             out.push(describe_block(&disk));
@@ -139,12 +140,15 @@ pub fn block_devices(f: &PciFunction) -> Vec<BlockDev> {
     out
 }
 
-fn ctrl_index(name: &str) -> String {
-    // nvme0c1n1 → "1"
-    name.split('c')
-        .nth(1)
-        .map(|s| s.split('n').next().unwrap_or("").to_string())
-        .unwrap_or_default()
+/// `nvme0c1n2` → `nvme0n2`; other names unchanged.
+fn head_name(name: &str) -> String {
+    let Some(rest) = name.strip_prefix("nvme") else {
+        return name.to_string();
+    };
+    match (rest.find('c'), rest.find('n')) {
+        (Some(c), Some(n)) if c < n => format!("nvme{}{}", &rest[..c], &rest[n..]),
+        _ => name.to_string(),
+    }
 }
 
 fn read_names(dir: &Path) -> Vec<String> {
@@ -610,7 +614,8 @@ mod tests {
 
     #[test]
     fn multipath_names_map_to_disks() {
-        assert_eq!(ctrl_index("nvme0c1n1"), "1");
+        assert_eq!(head_name("nvme0c1n2"), "nvme0n2");
+        assert_eq!(head_name("nvme3n1"), "nvme3n1");
     }
 
     #[test]

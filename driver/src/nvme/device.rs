@@ -28,6 +28,16 @@ impl NvmeDevice {
 
     /// A device for namespace `nsid` of an open controller.
     pub fn new(ctrl: &Arc<Controller>, nsid: u32) -> Result<Self> {
+        Self::with_max_transfer(ctrl, nsid, u32::MAX)
+    }
+
+    /// Like [`new`](Self::new), with the largest request capped at `max_transfer_bytes`
+    /// (rounded down to whole blocks, at least one).
+    pub fn with_max_transfer(
+        ctrl: &Arc<Controller>,
+        nsid: u32,
+        max_transfer_bytes: u32,
+    ) -> Result<Self> {
         let Some(info) = ctrl.namespace(nsid) else {
             return Err(Error::Invalid {
                 device: ctrl.name().clone(),
@@ -48,7 +58,8 @@ impl NvmeDevice {
         let geometry = Geometry {
             block_size: bs,
             capacity_blocks: info.blocks,
-            max_transfer_bytes: (layout.max_transfer_bytes / bs).max(1) * bs,
+            max_transfer_bytes: (layout.max_transfer_bytes.min(max_transfer_bytes) / bs).max(1)
+                * bs,
             queue_depth: layout.depth,
             queue_count: c.io_queues as u32,
             volatile_write_cache: c.volatile_write_cache,
