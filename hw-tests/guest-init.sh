@@ -75,10 +75,10 @@ suite)
     hw "SUITE-DONE"
     ;;
 crash-write)
-    nvstore device bind $A >/dev/null && nvme_hw crash-write bdf=$A nsid=2
+    nvstore device bind $A >/dev/null && nvme_hw crash-write bdf=$A nsid=1
     ;;
 crash-verify)
-    nvstore device bind $A >/dev/null && nvme_hw crash-verify bdf=$A nsid=2 flushed=$flushed
+    nvstore device bind $A >/dev/null && nvme_hw crash-verify bdf=$A nsid=1 flushed=$flushed
     ;;
 esac
 sync
