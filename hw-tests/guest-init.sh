@@ -61,6 +61,9 @@ unbind_rebind() {
 
 case $mode in
 suite)
+    # 64 MiB of 2 MiB hugepages: the first controller's DMA arena gets them, the second falls
+    # back to 4 KiB pages, so both paths run.
+    echo 32 >/proc/sys/vm/nr_hugepages
     nvstore device list
     check "device bind refuses a namespace held open" bind_refused_while_open
     check "device bind both controllers" nvstore device bind $A $B

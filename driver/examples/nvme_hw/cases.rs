@@ -29,10 +29,22 @@ pub fn suite(args: &Args) -> bool {
     let (a_bdf, b_bdf) = (args.get("a"), args.get("b"));
     let mut results = Vec::new();
     let mut ctrls: Option<(Arc<Controller>, Arc<Controller>)> = None;
-    case(&mut results, "open both controllers (bring-up)", || {
-        ctrls = Some((open(&a_bdf), open(&b_bdf)));
-        Ok(())
-    });
+    case(
+        &mut results,
+        "open both controllers (bring-up; hugepage and 4 KiB arenas)",
+        || {
+            let (a, b) = (open(&a_bdf), open(&b_bdf));
+            let huge = (a.arena().hugepages(), b.arena().hugepages());
+            ctrls = Some((a, b));
+            // The guest reserves hugepages for exactly one 64 MiB arena.
+            if huge != (true, false) {
+                return Err(format!(
+                    "arena hugepages (A, B) = {huge:?}, want (true, false)"
+                ));
+            }
+            Ok(())
+        },
+    );
     let Some((a, b)) = ctrls else {
         return summary(&results);
     };

@@ -51,6 +51,11 @@ pub struct NvmeOptions {
     pub abort_timeout: Duration,
     /// Deadline of one admin command.
     pub admin_timeout: Duration,
+    /// How long `wait` spins without a completion before it starts sleeping between polls
+    /// (5 µs doubling to 500 µs). `None` (the default) spins: lowest latency, one core busy
+    /// per waiting thread. Worth setting where cores are shared with the device itself
+    /// (a VM or an emulated controller), where spinning takes CPU from the device.
+    pub wait_spin: Option<Duration>,
 }
 
 impl Default for NvmeOptions {
@@ -63,6 +68,7 @@ impl Default for NvmeOptions {
             command_timeout: Duration::from_secs(30),
             abort_timeout: Duration::from_secs(1),
             admin_timeout: Duration::from_secs(10),
+            wait_spin: None,
         }
     }
 }

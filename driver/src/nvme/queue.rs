@@ -24,6 +24,13 @@ use crate::error::{Error, Result};
 /// Most completion entries reaped by one poll, so one busy queue cannot starve its caller's
 /// other work (and the CQ head doorbell is written at least this often).
 pub const REAP_MAX: usize = 64;
+/// Consumed completion entries reported to the controller in one CQ head doorbell write (the
+/// doorbell is written earlier when the CQ could otherwise run out of free entries).
+pub const CQ_DOORBELL_BATCH: u16 = 16;
+/// First and longest sleep of a `wait` that has stopped spinning (see
+/// [`NvmeOptions::wait_spin`](super::NvmeOptions::wait_spin)).
+const WAIT_NAP_MIN: Duration = Duration::from_micros(5);
+const WAIT_NAP_MAX: Duration = Duration::from_micros(500);
 /// Polls without progress between checks of command timeouts and CSTS.
 const HEALTH_CHECK_POLLS: u32 = 4096;
 /// Longest a `wait` goes between checks of command timeouts and CSTS.
@@ -213,10 +220,15 @@ impl QueuePair {
                 self.done.push_back(slot as u16);
             }
         }
-        if n > 0 {
+        if self.cq.unrung() >= CQ_DOORBELL_BATCH.min(self.layout.entries / 4) {
             self.cq.ring();
         }
         n
+    }
+
+    /// Commands submitted and not yet completed.
+    fn outstanding_commands(&self) -> usize {
+        self.layout.commands as usize - self.free_cids.len()
     }
 
     /// Hand out up to `out.len()` finished requests.
@@ -254,6 +266,14 @@ impl QueuePair {
 
     /// Queue one command for request `slot`; the caller reserved a cid and SQ space.
     fn push(&mut self, slot: u16, mut cmd: Command) {
+        // The controller may post a completion for every outstanding command; it sees as free
+        // only the CQ entries behind the head we last reported. Report consumed entries before
+        // they are needed: unreported + outstanding must stay below the CQ size.
+        if self.cq.unrung() as usize + self.outstanding_commands() + 1
+            > self.layout.commands as usize
+        {
+            self.cq.ring();
+        }
         let cid = self.free_cids.pop().expect("reserved cid");
         self.trackers[cid as usize] = Tracker {
             req: slot,
@@ -788,27 +808,45 @@ impl QueueHandle for NvmeQueue {
 
     fn wait(&mut self, out: &mut [Completion], min: usize, timeout: Duration) -> Result<usize> {
         let start = Instant::now();
+        let spin_limit = self.ctrl.options().wait_spin;
+        let mut last_progress = start;
+        let mut nap = WAIT_NAP_MIN;
         let mut got = 0;
         let mut spins = 0u32;
         loop {
             let want = min.min(out.len()).min(got + self.in_flight());
-            got += self.poll(&mut out[got..])?;
+            let n = self.poll(&mut out[got..])?;
+            got += n;
             if got >= want {
                 return Ok(got);
             }
             spins += 1;
-            if spins % 256 == 0 {
-                if self.last_health_check.elapsed() >= HEALTH_CHECK_INTERVAL {
+            if spins % 64 == 0 {
+                let now = Instant::now();
+                if n > 0 {
+                    last_progress = now;
+                    nap = WAIT_NAP_MIN;
+                }
+                if now.duration_since(self.last_health_check) >= HEALTH_CHECK_INTERVAL {
                     self.health_check()?;
                 }
-                if start.elapsed() > timeout {
+                if now.duration_since(start) > timeout {
                     return Err(Error::Timeout {
                         device: self.ns.name.clone(),
                         what: "NVMe completions",
                         timeout,
                     });
                 }
-                std::thread::yield_now();
+                match spin_limit {
+                    Some(limit) if now.duration_since(last_progress) > limit => {
+                        std::thread::sleep(nap);
+                        nap = (nap * 2).min(WAIT_NAP_MAX);
+                    }
+                    _ => std::thread::yield_now(),
+                }
+            } else if n > 0 {
+                last_progress = Instant::now();
+                nap = WAIT_NAP_MIN;
             }
             std::hint::spin_loop();
         }

@@ -184,6 +184,11 @@ impl Cq {
         self.unrung += 1;
     }
 
+    /// Entries consumed but not yet reported through the head doorbell.
+    pub(crate) fn unrung(&self) -> u16 {
+        self.unrung
+    }
+
     /// Tell the controller how far we consumed, once per batch.
     pub(crate) fn ring(&mut self) {
         if self.unrung == 0 {
