@@ -141,7 +141,8 @@ fn ours(bdf: &str, specs: &[Spec], fill: bool, opts: NvmeOptions) -> Vec<(Report
         ));
         let (work, wait) = driver_work(&dev, 2);
         let line = format!(
-            "randread 4k QD32 (spinning): driver work {work:.2} µs per IO (submit + polls that              reaped), waiting for the device {wait:.2} µs per IO (empty polls)"
+            "randread 4k QD32 (spinning): driver work {work:.2} µs per IO (submit + polls that \
+             reaped), waiting for the device {wait:.2} µs per IO (empty polls)"
         );
         println!("{line}");
         marker(&format!("BENCH-COST {line}"));
