@@ -7,6 +7,7 @@ mount -t devtmpfs dev /dev
 mkdir -p /dev/pts
 A=@A_ADDR@
 B=@B_ADDR@
+C=@C_ADDR@
 hw() { echo; echo "HWTEST $*"; }
 check() { # check NAME COMMAND…: one PASS/FAIL line for a shell-level case
     name=$1; shift
@@ -66,11 +67,11 @@ suite)
     echo 32 >/proc/sys/vm/nr_hugepages
     nvstore device list
     check "device bind refuses a namespace held open" bind_refused_while_open
-    check "device bind both controllers" nvstore device bind $A $B
+    check "device bind all controllers" nvstore device bind $A $B $C
     check "device bind is idempotent" nvstore device bind $B
     check "device identify through our driver (model, serial, namespaces)" identify_cli
     nvstore device list
-    nvme_hw suite a=$A b=$B serial_a=@A_SERIAL@ serial_b=@B_SERIAL@
+    nvme_hw suite a=$A b=$B c=$C serial_a=@A_SERIAL@ serial_b=@B_SERIAL@
     check "device unbind gives the controller back to nvme, bind again" unbind_rebind
     if [ @BENCH@ = 1 ]; then
         nvme_hw bench bdf=$B nvstore=/bin/nvstore secs=@BENCH_SECS@ || hw "FAIL benchmark"

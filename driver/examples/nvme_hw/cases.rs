@@ -103,6 +103,11 @@ pub fn suite(args: &Args) -> bool {
     case(&mut results, "controller reset with IO outstanding", || {
         reset_with_io(&a1)
     });
+    case(
+        &mut results,
+        "command timeout → abort → controller reset (throttled controller)",
+        || timeout_abort_reset(&args.get("c")),
+    );
     // The suite's all-sizes check writes a per-byte pattern for every block count up to the
     // maximum transfer: on the 512-byte namespace that is 2048 sizes under an emulated CPU, so
     // that device is capped at MDTS (the split path is covered by the all-sizes case above).
@@ -667,4 +672,100 @@ fn conformance_all(d: &NvmeDevice) {
     conformance::queue_limit(d);
     conformance::threads_verified(d, 4, 2000);
     conformance::poll_bounded(d);
+}
+
+/// On controller C (a drive throttled to a few IOPS) commands outlive a 500 ms command timeout.
+/// First with time for the Abort to work: QEMU aborts them and they fail with `Timeout`. Then
+/// with no abort grace: the controller is reset and every outstanding request fails with
+/// `Gone` naming the timeout. The controller works after each.
+fn timeout_abort_reset(bdf: &str) -> Res {
+    let opts = NvmeOptions {
+        arena_bytes: 8 << 20,
+        io_queues_max: 2,
+        command_timeout: Duration::from_millis(500),
+        abort_timeout: Duration::from_secs(2),
+        ..NvmeOptions::default()
+    };
+    {
+        let ctrl = Controller::open(bdf, opts.clone()).map_err(|e| e.to_string())?;
+        let (ok, timed_out, gone) = slow_batch(&ctrl)?;
+        println!("abort path: {ok} completed, {timed_out} aborted after the timeout, {gone} gone");
+        if timed_out == 0 || gone != 0 {
+            return Err("expected commands aborted after their timeout, and no reset".into());
+        }
+    }
+    let opts = NvmeOptions {
+        abort_timeout: Duration::ZERO,
+        ..opts
+    };
+    let ctrl = Controller::open(bdf, opts).map_err(|e| e.to_string())?;
+    let g0 = ctrl.generation();
+    let (ok, timed_out, gone) = slow_batch(&ctrl)?;
+    println!("reset path: {ok} completed, {timed_out} aborted, {gone} failed by the reset");
+    if ctrl.generation() == g0 || gone == 0 {
+        return Err(format!(
+            "expected a reset failing the slow commands (generation {g0} → {}, {gone} failed)",
+            ctrl.generation()
+        ));
+    }
+    Ok(())
+}
+
+/// Submit 12 reads to the throttled controller, collect them all, then check that plain IO
+/// works. Returns (completed, failed with Timeout, failed with Gone).
+fn slow_batch(ctrl: &Arc<Controller>) -> Result<(u32, u32, u32), String> {
+    let dev = NvmeDevice::new(ctrl, 1).map_err(|e| e.to_string())?;
+    let bs = dev.geometry().block_size as usize;
+    let mut q = dev.open_queue().map_err(|e| e.to_string())?;
+    const N: u64 = 12;
+    for i in 0..N {
+        let b = dev.alloc_buf(bs).unwrap();
+        q.submit(Request::read(i * 8, 1, b, 0, i))
+            .map_err(|e| format!("submit: {:?}", e.kind))?;
+    }
+    let mut out: Vec<Completion> = (0..N).map(|_| Completion::default()).collect();
+    let (mut ok, mut timed_out, mut gone, mut got) = (0, 0, 0, 0);
+    while got < N {
+        let n = q
+            .wait(&mut out, 1, Duration::from_secs(60))
+            .map_err(|e| e.to_string())?;
+        for c in &mut out[..n] {
+            let c = std::mem::take(c);
+            got += 1;
+            match c.result {
+                Ok(()) => ok += 1,
+                Err(e @ Error::Timeout { .. }) => {
+                    if timed_out == 0 {
+                        println!("  {e}");
+                    }
+                    timed_out += 1;
+                }
+                Err(e @ Error::Gone { .. }) if e.to_string().contains("timed out") => {
+                    if gone == 0 {
+                        println!("  {e}");
+                    }
+                    gone += 1;
+                }
+                Err(e) => return Err(format!("request {}: unexpected {e}", c.tag)),
+            }
+        }
+    }
+    // Let the throttle's budget refill (cancelled requests still count against it), then the
+    // controller must work normally.
+    std::thread::sleep(Duration::from_secs(3));
+    let mut w = dev.alloc_buf(bs).unwrap();
+    w.write_at(0, &noise(bs, 5));
+    done(
+        execute(&mut q, Request::write(3, 1, w, 0, false, 1), IO_TIMEOUT),
+        "write after",
+    )?;
+    let r = dev.alloc_buf(bs).unwrap();
+    let r = done(
+        execute(&mut q, Request::read(3, 1, r, 0, 2), IO_TIMEOUT),
+        "read after",
+    )?;
+    if !r.eq_at(0, &noise(bs, 5)) {
+        return Err("data wrong after the timeout".into());
+    }
+    Ok((ok, timed_out, gone))
 }

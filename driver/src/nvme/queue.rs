@@ -64,6 +64,8 @@ struct ReqSlot {
     pending: u16,
     error: Option<Error>,
     started: Instant,
+    /// Outlived the command timeout and was aborted.
+    timed_out: bool,
 }
 
 /// An I/O SQ/CQ pair with its trackers. Lives in the controller's pool when no handle has it.
@@ -121,6 +123,7 @@ impl QueuePair {
                     pending: 0,
                     error: None,
                     started: now,
+                    timed_out: false,
                 })
                 .collect(),
             free_reqs: Vec::with_capacity(l.depth as usize),
@@ -213,7 +216,15 @@ impl QueuePair {
             let r = &mut self.reqs[slot];
             let status = c.status();
             if !status.is_success() && r.error.is_none() {
-                r.error = Some(status_error(ns, r.op, r.lba, r.blocks, status));
+                r.error = Some(if r.timed_out && status.kind() == StatusKind::Aborted {
+                    Error::Timeout {
+                        device: ns.name.clone(),
+                        what: "an NVMe command (aborted after its command timeout)",
+                        timeout: r.started.elapsed(),
+                    }
+                } else {
+                    status_error(ns, r.op, r.lba, r.blocks, status)
+                });
             }
             r.pending -= 1;
             if r.pending == 0 {
@@ -606,7 +617,8 @@ impl NvmeQueue {
             "{} command(s) outstanding longer than {timeout:?}: aborting",
             aborted.len()
         );
-        for &(cid, _) in &aborted {
+        for &(cid, req) in &aborted {
+            self.pair_mut().reqs[req as usize].timed_out = true;
             if let Err(e) = self.ctrl.abort(qid, cid) {
                 tracing::warn!("abort of cid {cid} failed: {e}");
             }
@@ -690,6 +702,7 @@ fn start_request(
         pending: commands,
         error: None,
         started: Instant::now(),
+        timed_out: false,
     };
     pair.in_flight += 1;
 }
