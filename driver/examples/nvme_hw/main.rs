@@ -9,12 +9,15 @@
 //!   O_DIRECT) on the same controller, rebinding between phases.
 //! * `crash-write bdf=BDF` — write records and flush until killed, printing the durable count.
 //! * `crash-verify bdf=BDF flushed=N` — every record below N reads back intact.
+//! * `as-user uid=N bdf=BDF expect=permission|memlock` — the set-up error an unprivileged
+//!   user gets names the problem and the fix.
 //!
 //! Every result line starts on a fresh line with `HWTEST ` so the host can parse the console.
 
 mod bench;
 mod cases;
 mod crash;
+mod setup_errors;
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -81,8 +84,9 @@ fn main() {
         "bench" => bench::run(&args),
         "crash-write" => crash::write(&args),
         "crash-verify" => crash::verify(&args),
+        "as-user" => setup_errors::as_user(&args),
         _ => {
-            eprintln!("usage: nvme_hw suite|bench|crash-write|crash-verify key=value…");
+            eprintln!("usage: nvme_hw suite|bench|crash-write|crash-verify|as-user key=value…");
             false
         }
     };

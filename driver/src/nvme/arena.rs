@@ -221,7 +221,7 @@ impl Arena {
             });
         }
         if !hugepages {
-            tracing::info!(
+            tracing::warn!(
                 device = %name,
                 "DMA arena of {} MiB uses 4 KiB pages: no 2 MiB hugepages reserved (reserve \
                  them with `echo N > /sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages`)",

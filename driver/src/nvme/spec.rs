@@ -45,6 +45,41 @@ pub mod reg {
     pub const DOORBELL_BASE: usize = 0x1000;
 }
 
+/// The start of the controller register block in BAR0 (Base 1.4 §3.1, Figure 78), up to the
+/// admin queue base addresses. The driver reads and writes registers one at a time through
+/// volatile accesses at the [`reg`] offsets; this struct pins those offsets to the spec layout.
+#[repr(C)]
+pub struct RegisterBlock {
+    /// CAP (§3.1.1).
+    pub cap: u64,
+    /// VS (§3.1.2).
+    pub vs: u32,
+    /// INTMS, INTMC (§3.1.3, §3.1.4): unused (polled queues, no INTx).
+    pub intms: u32,
+    pub intmc: u32,
+    /// CC (§3.1.5).
+    pub cc: u32,
+    _rsvd18: u32,
+    /// CSTS (§3.1.6).
+    pub csts: u32,
+    /// NSSR (§3.1.7): unused.
+    pub nssr: u32,
+    /// AQA (§3.1.8).
+    pub aqa: u32,
+    /// ASQ (§3.1.9).
+    pub asq: u64,
+    /// ACQ (§3.1.10).
+    pub acq: u64,
+}
+const _: () = assert!(size_of::<RegisterBlock>() == 0x38);
+const _: () = assert!(std::mem::offset_of!(RegisterBlock, cap) == reg::CAP);
+const _: () = assert!(std::mem::offset_of!(RegisterBlock, vs) == reg::VS);
+const _: () = assert!(std::mem::offset_of!(RegisterBlock, cc) == reg::CC);
+const _: () = assert!(std::mem::offset_of!(RegisterBlock, csts) == reg::CSTS);
+const _: () = assert!(std::mem::offset_of!(RegisterBlock, aqa) == reg::AQA);
+const _: () = assert!(std::mem::offset_of!(RegisterBlock, asq) == reg::ASQ);
+const _: () = assert!(std::mem::offset_of!(RegisterBlock, acq) == reg::ACQ);
+
 /// Controller Capabilities (Base 1.4 §3.1.1, Figure 79), decoded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Cap(pub u64);
