@@ -8,6 +8,7 @@ mkdir -p /dev/pts
 A=@A_ADDR@
 B=@B_ADDR@
 C=@C_ADDR@
+D=@D_ADDR@
 hw() { echo; echo "HWTEST $*"; }
 check() { # check NAME COMMAND…: one PASS/FAIL line for a shell-level case
     name=$1; shift
@@ -99,7 +100,7 @@ suite)
     check "device identify refuses a controller the kernel drives" identify_needs_bind
     load_vfio_pci
     check "device bind refuses a namespace held open" bind_refused_while_open
-    check "device bind all controllers" nvstore device bind $A $B $C
+    check "device bind all controllers" nvstore device bind $A $B $C $D
     check "device bind is idempotent" nvstore device bind $B
     check "device identify through our driver (model, serial, namespaces)" identify_cli
     check "device identify without hugepages falls back to 4 KiB pages and says so" identify_without_hugepages
@@ -109,7 +110,8 @@ suite)
     nvme_hw suite a=$A b=$B c=$C serial_a=@A_SERIAL@ serial_b=@B_SERIAL@
     check "device unbind gives the controller back to nvme, bind again" unbind_rebind
     if [ @BENCH@ = 1 ]; then
-        nvme_hw bench bdf=$B nvstore=/bin/nvstore secs=@BENCH_SECS@ || hw "FAIL benchmark"
+        nvme_hw bench bdf=$B label=file nvstore=/bin/nvstore secs=@BENCH_SECS@ || hw "FAIL benchmark (file-backed)"
+        nvme_hw bench bdf=$D label=null nvstore=/bin/nvstore secs=@BENCH_SECS@ || hw "FAIL benchmark (null backend)"
     fi
     hw "SUITE-DONE"
     ;;

@@ -130,14 +130,20 @@ fn driver_work(dev: &NvmeDevice, secs: u64) -> (f64, f64) {
     (per(work), per(idle))
 }
 
-fn ours(bdf: &str, specs: &[Spec], fill: bool, opts: NvmeOptions) -> Vec<(Report, f64)> {
+fn ours(
+    bdf: &str,
+    label: &str,
+    specs: &[Spec],
+    fill: bool,
+    opts: NvmeOptions,
+) -> Vec<(Report, f64)> {
     let dev = NvmeDevice::open(bdf, 1, opts.clone()).expect("open NVMe device");
     if fill {
         workload::prefill(&dev, SPAN_BYTES).expect("prefill");
         let mmio = mmio_cost(&dev);
         println!("one emulated register read (CSTS) costs {mmio:.2} µs of guest CPU");
         marker(&format!(
-            "BENCH-COST one emulated register access: {mmio:.2} µs of guest CPU"
+            "BENCH-COST [{label}] one emulated register access: {mmio:.2} µs of guest CPU"
         ));
         let (work, wait) = driver_work(&dev, 2);
         let line = format!(
@@ -145,7 +151,7 @@ fn ours(bdf: &str, specs: &[Spec], fill: bool, opts: NvmeOptions) -> Vec<(Report
              reaped), waiting for the device {wait:.2} µs per IO (empty polls)"
         );
         println!("{line}");
-        marker(&format!("BENCH-COST {line}"));
+        marker(&format!("BENCH-COST [{label}] {line}"));
     }
     println!(
         "ours: userspace NVMe driver over VFIO on {} (wait_spin {:?})",
@@ -181,9 +187,10 @@ fn kernel_disk(bdf: &str) -> PathBuf {
 pub fn run(args: &Args) -> bool {
     let bdf = args.get("bdf");
     let nvstore = args.get("nvstore");
+    let label = args.get("label");
     let secs: u64 = args.get("secs").parse().expect("secs");
     let specs = specs(secs);
-    let ours1 = ours(&bdf, &specs, true, NvmeOptions::default());
+    let ours1 = ours(&bdf, &label, &specs, true, NvmeOptions::default());
     cli(&nvstore, &["device", "unbind", &bdf]);
     let disk = kernel_disk(&bdf);
     let kernel: Vec<(Report, f64)> = {
@@ -202,7 +209,7 @@ pub fn run(args: &Args) -> bool {
         wait_spin: Some(Duration::from_micros(20)),
         ..NvmeOptions::default()
     };
-    let ours2 = ours(&bdf, &specs, false, hybrid);
+    let ours2 = ours(&bdf, &label, &specs, false, hybrid);
     println!();
     let header = format!(
         "{:<20} | {:>9} {:>7} | {:>9} {:>7} | {:>9} {:>7} | {:>11} | {:>11}",
@@ -217,7 +224,7 @@ pub fn run(args: &Args) -> bool {
         "CPU× s/n"
     );
     println!("{header}");
-    marker(&format!("BENCH {header}"));
+    marker(&format!("BENCH [{label}] {header}"));
     for (i, s) in specs.iter().enumerate() {
         let (o, oc) = &ours1[i];
         let (k, kc) = &kernel[i];
@@ -237,7 +244,7 @@ pub fn run(args: &Args) -> bool {
             kc / o2c
         );
         println!("{line}");
-        marker(&format!("BENCH {line}"));
+        marker(&format!("BENCH [{label}] {line}"));
     }
     true
 }
