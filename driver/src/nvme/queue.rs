@@ -561,8 +561,12 @@ impl NvmeQueue {
     ) -> Result<()> {
         self.sync_generation()?;
         assert!(iova % 4 == 0 && len > 0 && len <= self.pair().layout.command_bytes_max as usize);
+        let name = self.ns.name.clone();
         let pair = self.pair_mut();
-        let slot = pair.reserve(1).expect("submit_raw_iova needs a free slot");
+        let slot = pair.reserve(1).ok_or_else(|| Error::Invalid {
+            device: name,
+            detail: "queue full".into(),
+        })?;
         fill_prps(pair, &mut command, iova, len);
         start_request(pair, slot, tag, op, 0, 0, None, 1);
         pair.push(slot, command);
@@ -800,7 +804,12 @@ impl QueueHandle for NvmeQueue {
     }
 
     fn poll(&mut self, out: &mut [Completion]) -> Result<usize> {
-        self.sync_generation()?;
+        if let Err(e) = self.sync_generation() {
+            // The controller is gone for good: still hand back the requests it failed (with
+            // their buffers) before reporting the error itself.
+            let n = self.pair_mut().deliver(out);
+            return if n > 0 { Ok(n) } else { Err(e) };
+        }
         let ns = self.ns.clone();
         let pair = self.pair.as_mut().expect("pair");
         pair.sq.ring();
