@@ -194,7 +194,7 @@ impl Arena {
         iovas: &mut IovaSpace,
         len: usize,
     ) -> Result<Self> {
-        let len = len.next_multiple_of(HUGEPAGE_BYTES);
+        let len = Self::mapped_len(len);
         check_memlock(name, len)?;
         let (ptr, hugepages) = alloc_memory(name, len)?;
         let no_iova = || Error::NoMemory {
@@ -239,6 +239,11 @@ impl Arena {
                 pages: Mutex::new(PageBitmap::new(len / PAGE_BYTES)),
             }),
         })
+    }
+
+    /// Bytes actually mapped for a requested arena of `len` bytes (whole 2 MiB units).
+    pub fn mapped_len(len: usize) -> usize {
+        len.max(1).next_multiple_of(HUGEPAGE_BYTES)
     }
 
     /// True when backed by 2 MiB hugepages, false for 4 KiB pages.
@@ -343,7 +348,7 @@ fn alloc_memory(name: &Arc<str>, len: usize) -> Result<(NonNull<u8>, bool)> {
 
 /// Pinned DMA memory counts against RLIMIT_MEMLOCK unless the process has CAP_IPC_LOCK. Fail
 /// early with the size needed instead of letting the VFIO map fail with a bare ENOMEM.
-fn check_memlock(name: &Arc<str>, len: usize) -> Result<()> {
+pub fn check_memlock(name: &Arc<str>, len: usize) -> Result<()> {
     if has_cap_ipc_lock() {
         return Ok(());
     }

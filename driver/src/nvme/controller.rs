@@ -261,6 +261,10 @@ pub struct Controller {
 impl Controller {
     /// Open the controller at `bdf` (bound to vfio-pci), bring it up and create its I/O queues.
     pub fn open(bdf: &str, opts: NvmeOptions) -> Result<Arc<Self>> {
+        // Every host-side problem is reported before the device is opened.
+        let name: Arc<str> = super::sysfs::full_bdf(bdf).into();
+        super::vfio::check_host(&name)?;
+        super::arena::check_memlock(&name, Arena::mapped_len(opts.arena_bytes))?;
         let pci = VfioPci::open(bdf)?;
         let name = pci.name().clone();
         let mut iovas = IovaSpace::default();

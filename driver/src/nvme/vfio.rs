@@ -109,7 +109,7 @@ impl VfioPci {
     pub fn open(bdf: &str) -> Result<Self> {
         let bdf = sysfs::full_bdf(bdf);
         let name: Arc<str> = bdf.as_str().into();
-        let function = check_host(&name, &bdf)?;
+        let function = check_host(&name)?;
         let container = Arc::new(
             VfioContainer::new(None).map_err(|e| vfio_error(&name, &function, "open", e))?,
         );
@@ -211,8 +211,11 @@ fn setup(device: &Arc<str>, problem: String, fix: String) -> Error {
     }
 }
 
-/// Check the host before touching VFIO, so each failure says what to do.
-fn check_host(name: &Arc<str>, bdf: &str) -> Result<PciFunction> {
+/// Check the host before touching VFIO, so each failure says what to do: the function exists,
+/// an IOMMU is on, vfio-pci is loaded and owns the device, and `/dev/vfio` nodes can be opened.
+/// `name` is the full PCI address.
+pub fn check_host(name: &Arc<str>) -> Result<PciFunction> {
+    let bdf: &str = name;
     let function = PciFunction::read(bdf).map_err(|e| {
         setup(
             name,
