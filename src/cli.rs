@@ -22,8 +22,8 @@ pub struct Cli {
 pub enum Command {
     /// NVMe devices: list, bind to vfio-pci, unbind, identify
     Device {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
+        #[command(subcommand)]
+        what: crate::device::DeviceCommand,
     },
     /// Label a device for a cluster and node (writes the superblock)
     Mkfs(crate::storecli::MkfsArgs),
@@ -111,7 +111,7 @@ pub(crate) fn not_built(group: &str, issue: u32) -> ExitCode {
 
 pub fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
     Ok(match cli.command {
-        Command::Device { .. } => not_built("device", 3),
+        Command::Device { what } => crate::device::run(what)?,
         Command::Mkfs(a) => crate::storecli::run_mkfs(a)?,
         Command::StoreTool(a) => crate::storecli::run_store_tool(a)?,
         Command::Node { .. } => not_built("node", 7),

@@ -2,4 +2,5 @@
 
 pub mod bench;
 pub mod cli;
+pub mod device;
 pub mod storecli;

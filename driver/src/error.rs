@@ -63,6 +63,36 @@ pub enum Error {
         device: Arc<str>,
         reason: &'static str,
     },
+    /// An NVMe command completed with an error status that no more specific variant covers
+    /// (invalid field, invalid namespace, aborted, internal error, …). LBA-out-of-range maps to
+    /// [`Error::OutOfRange`] and media errors to [`Error::Media`].
+    #[error(
+        "{device}: {op} failed: NVMe status {meaning} (type {status_type:#x}, code {status_code:#04x})"
+    )]
+    Nvme {
+        device: Arc<str>,
+        op: &'static str,
+        kind: crate::nvme::StatusKind,
+        status_type: u8,
+        status_code: u8,
+        meaning: &'static str,
+    },
+    /// The NVMe controller failed, or a bring-up/reset step did not finish: `state` names the
+    /// step (e.g. "waiting for CSTS.RDY=0 after disable").
+    #[error("{device}: controller {state}: {detail}")]
+    Controller {
+        device: Arc<str>,
+        state: &'static str,
+        detail: String,
+    },
+    /// The host is not set up for a VFIO device (no IOMMU, vfio-pci not loaded, permissions,
+    /// locked-memory limit): `fix` says what to do.
+    #[error("{device}: {problem}; fix: {fix}")]
+    Setup {
+        device: Arc<str>,
+        problem: String,
+        fix: String,
+    },
 }
 
 impl Error {

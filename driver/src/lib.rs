@@ -2,6 +2,7 @@
 //!
 //! * [`FileDevice`]: files and kernel block devices through io_uring (the embedded default).
 //! * [`SimDevice`]: in-memory, seeded, with crash images and injected faults (for crash tests).
+//! * [`NvmeDevice`]: an NVMe namespace driven from userspace over VFIO ([`nvme`]).
 //!
 //! The store is generic over [`BlockDevice`]; only binaries name a concrete backend.
 
@@ -11,6 +12,7 @@ pub mod dma;
 pub mod error;
 pub mod file;
 pub mod io;
+pub mod nvme;
 pub mod sim;
 pub mod workload;
 
@@ -20,4 +22,5 @@ pub use device::{
 pub use dma::{DmaBuf, DmaOwner, HostMemory};
 pub use error::{Error, Result};
 pub use file::{Engine, FileDevice, FileOptions};
+pub use nvme::{Controller, NvmeDevice, NvmeOptions, NvmeQueue};
 pub use sim::{Fault, Latency, SimConfig, SimDevice};
