@@ -268,12 +268,22 @@ mod tests {
     fn thread_cpu_readings_parse() {
         let tid = gettid();
         let ns0 = thread_cpu_ns(tid).unwrap();
+        // The kernel updates the reading at scheduler events and ticks: burn CPU until it
+        // moves (bounded, so a reading that never moves fails instead of hanging).
+        let t0 = std::time::Instant::now();
         let mut x = 0u64;
-        for i in 0..2_000_000u64 {
-            x = x.wrapping_mul(31).wrapping_add(std::hint::black_box(i));
+        let mut i = 0u64;
+        while thread_cpu_ns(tid).unwrap() == ns0 && t0.elapsed() < Duration::from_secs(5) {
+            for _ in 0..100_000 {
+                x = x.wrapping_mul(31).wrapping_add(std::hint::black_box(i));
+                i += 1;
+            }
         }
         std::hint::black_box(x);
-        assert!(thread_cpu_ns(tid).unwrap() > ns0);
+        assert!(
+            thread_cpu_ns(tid).unwrap() > ns0,
+            "thread CPU time did not advance in 5 s of spinning"
+        );
         thread_cpu_ticks(tid).unwrap();
         assert!(ticks_per_second() > 0);
     }
