@@ -166,6 +166,18 @@ enum CheckErr {
 /// How long a transaction waits for the cleaner to free space before failing.
 const SPACE_WAIT_MAX: Duration = Duration::from_secs(30);
 
+/// Rounds the commit thread keeps on the device at once: one being flushed while the next is
+/// written.
+const PIPELINE_ROUNDS_MAX: usize = 2;
+
+/// A round on the device.
+struct InFlight {
+    id: u64,
+    accepted: Vec<Accepted>,
+    /// Its last log batch: durable (and so acknowledged) once the round is.
+    last_batch: u64,
+}
+
 /// One data item of a round: (txn index, mut index, chunk index or usize::MAX for xattrs).
 type Item = (usize, usize, usize);
 
@@ -194,6 +206,12 @@ pub(crate) struct Committer<D: BlockDevice> {
     failed: Option<String>,
     /// Newest log batch known durable (the last batch of the last completed round).
     durable_through: u64,
+    /// Rounds submitted and not yet durable, oldest first.
+    inflight: VecDeque<InFlight>,
+    /// Objects touched by rounds in flight: later transactions on them wait (the index does
+    /// not show their new state yet).
+    keys_in_flight: HashSet<ObjectKey>,
+    round_id: u64,
     /// Transactions waiting for the cleaner to free space, and the free count when they parked.
     space_waiters: Vec<(Box<Prepared>, Sender<TxnResult>, Instant)>,
     space_free_at_park: u64,
@@ -256,6 +274,9 @@ impl<D: BlockDevice> Committer<D> {
             durable_through,
             space_waiters: Vec::new(),
             space_free_at_park: 0,
+            inflight: VecDeque::new(),
+            keys_in_flight: HashSet::new(),
+            round_id: 0,
         })
     }
 
@@ -263,9 +284,14 @@ impl<D: BlockDevice> Committer<D> {
     /// is open, so `bg` never reports disconnection while the thread runs.
     pub(crate) fn run(mut self, user: Receiver<Msg>, bg: Receiver<Msg>) {
         loop {
-            let busy = self.ckpt.is_some() || !self.deferred.is_empty();
             self.retry_space_waiters();
-            let first = if busy {
+            // A checkpoint slice runs between rounds, with nothing in flight.
+            let want_slice = self.ckpt.is_some();
+            let can_start = self.inflight.len() < PIPELINE_ROUNDS_MAX && !want_slice;
+            let idle = self.inflight.is_empty() && !want_slice && self.deferred.is_empty();
+            let first = if !can_start {
+                None
+            } else if !idle {
                 user.try_recv().or_else(|_| bg.try_recv()).ok()
             } else if !self.space_waiters.is_empty() {
                 // Waiting for the cleaner: wake now and then to retry or time out.
@@ -280,24 +306,71 @@ impl<D: BlockDevice> Committer<D> {
                     recv(bg) -> m => m.ok(),
                 }
             };
-            let mut round = Vec::new();
-            if let Some(m) = first {
-                self.take(m, &mut round);
+            let mut started = false;
+            if can_start {
+                let mut round = Vec::new();
+                if let Some(m) = first {
+                    self.take(m, &mut round);
+                }
+                self.gather(&user, &bg, &mut round);
+                if !round.is_empty() {
+                    started = self.start_round(round);
+                }
             }
-            self.gather(&user, &bg, &mut round);
-            if !round.is_empty() {
-                self.round(round);
+            if !self.inflight.is_empty() {
+                // Wait for the device unless a new round was just started (then only reap).
+                self.progress(!started);
             }
-            if self.ckpt.is_some() {
-                self.checkpoint_step();
-            } else if self.checkpoint_due() {
-                self.checkpoint_begin();
+            if self.inflight.is_empty() {
+                if self.ckpt.is_some() {
+                    self.checkpoint_step();
+                } else if self.checkpoint_due() {
+                    self.checkpoint_begin();
+                }
             }
             if user.is_empty() && self.deferred.is_empty() && self.ckpt.is_none() && bg.is_empty() {
                 // Idle: publish counters; nothing else to do until a message arrives.
                 self.publish_stats();
             }
         }
+    }
+
+    /// Reap device completions; publish every round that became durable, in order.
+    fn progress(&mut self, block: bool) {
+        match self.em.progress(block) {
+            Ok(durable) => {
+                while self.inflight.front().is_some_and(|r| r.id <= durable) {
+                    let r = self.inflight.pop_front().unwrap();
+                    self.durable_through = r.last_batch;
+                    for a in &r.accepted {
+                        for m in &a.txn.muts {
+                            self.keys_in_flight.remove(&m.key);
+                        }
+                    }
+                    self.apply(r.accepted);
+                }
+            }
+            Err(e) => self.fail_inflight(e),
+        }
+    }
+
+    /// A device write or flush failed: every round in flight fails and the store stops
+    /// accepting writes (the log may now have a hole that replay would stop at).
+    fn fail_inflight(&mut self, e: StoreError) {
+        let why = e.to_string();
+        tracing::error!(error = %why, "log write failed; the store now refuses writes");
+        self.failed = Some(why.clone());
+        for r in std::mem::take(&mut self.inflight) {
+            for a in r.accepted {
+                let Accepted { txn, reply, .. } = a;
+                drop(txn);
+                let _ = reply.send(TxnResult::Failed(StoreError::Invalid(format!(
+                    "log write failed: {why}"
+                ))));
+            }
+        }
+        self.keys_in_flight.clear();
+        let _ = self.em.drain();
     }
 
     /// Write an empty batch whose `durable_through` covers every acknowledged batch, so rot in
@@ -364,6 +437,9 @@ impl<D: BlockDevice> Committer<D> {
     }
 
     fn shutdown(mut self) {
+        while !self.inflight.is_empty() && self.failed.is_none() {
+            self.progress(true);
+        }
         for (t, r, _) in std::mem::take(&mut self.space_waiters) {
             drop(t);
             let _ = r.send(TxnResult::Failed(StoreError::Closed));
@@ -400,6 +476,8 @@ impl<D: BlockDevice> Committer<D> {
         let mut incoming: Vec<_> = std::mem::take(round);
         incoming.splice(0..0, self.deferred.drain(..));
         let max_bytes = self.sh.config.round_bytes_max;
+        let in_flight_set = std::mem::take(&mut self.keys_in_flight);
+        let in_flight = &in_flight_set;
         let bytes = std::cell::Cell::new(0u64);
         let bg_bytes = std::cell::Cell::new(0u64);
         let mut keys: HashSet<ObjectKey> = HashSet::new();
@@ -408,7 +486,10 @@ impl<D: BlockDevice> Committer<D> {
                          round: &mut Vec<_>,
                          deferred: &mut VecDeque<_>| {
             let size = txn_bytes(&t);
-            let clash = t.muts.iter().any(|m| keys.contains(&m.key));
+            let clash = t
+                .muts
+                .iter()
+                .any(|m| keys.contains(&m.key) || in_flight.contains(&m.key));
             let full = round.len() >= ROUND_TXNS_MAX
                 || (!round.is_empty() && bytes.get() + size > max_bytes);
             if clash || full {
@@ -452,16 +533,19 @@ impl<D: BlockDevice> Committer<D> {
                 other => self.take(other, round),
             }
         }
+        self.keys_in_flight = in_flight_set;
     }
 
-    fn round(&mut self, round: Vec<(Box<Prepared>, Sender<TxnResult>)>) {
+    /// Check, lay out and submit a round; it is published when the device says it is durable.
+    /// Returns whether anything was submitted.
+    fn start_round(&mut self, round: Vec<(Box<Prepared>, Sender<TxnResult>)>) -> bool {
         if let Some(why) = &self.failed {
             for (_, r) in round {
                 let _ = r.send(TxnResult::Failed(StoreError::Invalid(format!(
                     "the store stopped accepting writes after a device write failed: {why}"
                 ))));
             }
-            return;
+            return false;
         }
         let mut accepted = Vec::new();
         let mut need = 0u64;
@@ -493,27 +577,29 @@ impl<D: BlockDevice> Committer<D> {
             }
         }
         if accepted.is_empty() {
-            return;
+            return false;
         }
-        let written = self.write_round(&mut accepted);
-        match written.and_then(|()| self.em.finish_round()) {
-            Ok(()) => {
-                self.durable_through = self.log.pos.batch_seq - 1;
-                self.apply(accepted)
-            }
-            Err(e) => {
-                let why = e.to_string();
-                tracing::error!(error = %why, "log write failed; the store now refuses writes");
-                self.failed = Some(why.clone());
-                for a in accepted {
-                    let Accepted { txn, reply, .. } = a;
-                    drop(txn);
-                    let _ = reply.send(TxnResult::Failed(StoreError::Invalid(format!(
-                        "log write failed: {why}"
-                    ))));
-                }
+        self.round_id += 1;
+        let id = self.round_id;
+        self.em.begin_round(id);
+        let written = self
+            .write_round(&mut accepted)
+            .and_then(|()| self.em.end_round());
+        for a in &accepted {
+            for m in &a.txn.muts {
+                self.keys_in_flight.insert(m.key.clone());
             }
         }
+        self.inflight.push_back(InFlight {
+            id,
+            accepted,
+            last_batch: self.log.pos.batch_seq - 1,
+        });
+        if let Err(e) = written {
+            self.fail_inflight(e);
+            return false;
+        }
+        true
     }
 
     /// Check a transaction against the index and free space. `need` is what the round already

@@ -8,6 +8,9 @@ use driver::{BlockDevice, Completion, DmaBuf, QueueHandle, Request};
 
 use crate::error::Result;
 
+/// Tag of the pipeline's flushes.
+const FLUSH_TAG: u64 = u64::MAX;
+
 /// How long a device write or flush may take before the store gives up on it.
 pub const DEVICE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -30,6 +33,18 @@ pub struct Emitter<D: BlockDevice> {
     held: Option<Piece>,
     submitted_in_round: u64,
     error: Option<driver::Error>,
+    /// Pipelined rounds: (round id, writes still in flight), oldest first.
+    rounds: std::collections::VecDeque<(u64, usize)>,
+    /// The round whose writes are being submitted now (tag of its writes).
+    cur_round: u64,
+    /// Newest round whose writes have all completed (contiguously from the oldest).
+    written: u64,
+    /// Newest round known durable.
+    durable: u64,
+    /// A flush in flight covers rounds up to this one.
+    flush_covers: Option<u64>,
+    /// A round that went out as one FUA write: durable when that write completes.
+    fua_round: Option<u64>,
     /// Totals for write-amplification reports.
     pub bytes_written: u64,
     pub writes: u64,
@@ -56,6 +71,12 @@ impl<D: BlockDevice> Emitter<D> {
             held: None,
             submitted_in_round: 0,
             error: None,
+            rounds: std::collections::VecDeque::new(),
+            cur_round: 0,
+            written: 0,
+            durable: 0,
+            flush_covers: None,
+            fua_round: None,
             bytes_written: 0,
             writes: 0,
             flushes: 0,
@@ -65,14 +86,89 @@ impl<D: BlockDevice> Emitter<D> {
 
     fn reap(&mut self, min: usize) -> Result<()> {
         let n = self.q.wait(&mut self.comps, min, DEVICE_TIMEOUT)?;
-        for c in &mut self.comps[..n] {
-            let c = std::mem::take(c);
+        for k in 0..n {
+            let c = std::mem::take(&mut self.comps[k]);
             if let Err(e) = c.result {
                 self.error.get_or_insert(e);
+            }
+            if c.op == driver::Op::Flush && c.tag == FLUSH_TAG {
+                if let Some(upto) = self.flush_covers.take() {
+                    self.durable = self.durable.max(upto);
+                }
+                self.flushes += 1;
+            } else if let Some(r) = self.rounds.iter_mut().find(|r| r.0 == c.tag) {
+                r.1 -= 1;
             }
             if let Some(b) = c.buf {
                 self.free.push(b);
             }
+        }
+        Ok(())
+    }
+
+    /// Start a pipelined round: its writes are tagged with `id` (increasing).
+    pub fn begin_round(&mut self, id: u64) {
+        debug_assert!(self.rounds.back().is_none_or(|r| r.0 < id));
+        self.cur_round = id;
+        self.rounds.push_back((id, 0));
+        self.submitted_in_round = 0;
+    }
+
+    /// All of the current round's bytes are written: submit what is held. A round that is a
+    /// single write with nothing else in flight goes out with FUA and needs no flush.
+    pub fn end_round(&mut self) -> Result<()> {
+        self.close_piece()?;
+        let alone =
+            self.rounds.len() == 1 && self.flush_covers.is_none() && self.submitted_in_round == 0;
+        if let Some(p) = self.held.take() {
+            let fua = alone && self.volatile;
+            if fua {
+                self.fua_round = Some(self.cur_round);
+                self.fua_rounds += 1;
+            }
+            self.submit(p, fua)?;
+        }
+        self.advance()
+    }
+
+    /// Reap completions (waiting for at least one when `block` and something is in flight),
+    /// then start the flush that makes finished rounds durable. Returns the newest durable round.
+    pub fn progress(&mut self, block: bool) -> Result<u64> {
+        let busy = self.q.in_flight() > 0;
+        self.reap(usize::from(block && busy))?;
+        if let Some(e) = self.error.take() {
+            return Err(e.into());
+        }
+        self.advance()?;
+        Ok(self.durable)
+    }
+
+    fn advance(&mut self) -> Result<()> {
+        while let Some(&(id, left)) = self.rounds.front() {
+            if left > 0 || (id == self.cur_round && self.held.is_some()) {
+                break;
+            }
+            self.rounds.pop_front();
+            self.written = self.written.max(id);
+            if self.fua_round == Some(id) || !self.volatile {
+                self.fua_round = None;
+                self.durable = self.durable.max(id);
+            }
+        }
+        if self.written > self.durable && self.flush_covers.is_none() {
+            self.flush_covers = Some(self.written);
+            let mut req = Request::flush(FLUSH_TAG);
+            loop {
+                match self.q.submit(req) {
+                    Ok(()) => break,
+                    Err(e) if e.is_full() => {
+                        req = e.request;
+                        self.reap(1)?;
+                    }
+                    Err(e) => return Err(e.into_error(&"store".into()).into()),
+                }
+            }
+            self.q.kick()?;
         }
         Ok(())
     }
@@ -88,7 +184,9 @@ impl<D: BlockDevice> Emitter<D> {
         debug_assert_eq!(p.len % self.block, 0);
         debug_assert_eq!(p.offset % self.block as u64, 0);
         let bs = self.block as u64;
-        let mut req = Request::write(p.offset / bs, (p.len / self.block) as u32, p.buf, 0, fua, 0);
+        let tag = self.cur_round;
+        let blocks = (p.len / self.block) as u32;
+        let mut req = Request::write(p.offset / bs, blocks, p.buf, 0, fua, tag);
         loop {
             match self.q.submit(req) {
                 Ok(()) => break,
@@ -102,6 +200,9 @@ impl<D: BlockDevice> Emitter<D> {
         self.bytes_written += p.len as u64;
         self.writes += 1;
         self.submitted_in_round += 1;
+        if let Some(r) = self.rounds.back_mut().filter(|r| r.0 == tag) {
+            r.1 += 1;
+        }
         Ok(())
     }
 
