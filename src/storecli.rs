@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Subcommand};
+use driver::nvme::{NvmeDevice, NvmeOptions};
 use driver::{BlockDevice, FileDevice, FileOptions};
 use store::{mkfs, parse_uuid, MkfsOptions, ObjectKey, Store, StoreConfig, Uuid};
 
@@ -13,7 +14,8 @@ type CliResult = Result<ExitCode, Box<dyn std::error::Error>>;
 
 #[derive(Debug, Args)]
 pub struct MkfsArgs {
-    /// Device: a file or block device path (PCI addresses need the VFIO driver)
+    /// Device: a file or block device path, or an NVMe PCI address bound to vfio-pci
+    /// (`0000:00:04.0`, namespace 1; `0000:00:04.0/ns2` for another namespace)
     #[arg(long)]
     pub device: String,
     /// Cluster fsid (UUID) the device will belong to
@@ -35,7 +37,7 @@ pub struct MkfsArgs {
 
 #[derive(Debug, Args)]
 pub struct StoreToolArgs {
-    /// Device: a file or block device path
+    /// Device: a file or block device path, or an NVMe PCI address (`ADDR[/nsN]`)
     #[arg(long)]
     pub device: String,
     /// Refuse the device unless it belongs to this cluster
@@ -97,21 +99,71 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("expected a size like 4G, 512M or 1048576, got {s:?}"))
 }
 
-/// Open the device a SPEC names.
-fn open_device(spec: &str, create: Option<u64>) -> Result<FileDevice, Box<dyn std::error::Error>> {
-    if is_pci_address(spec) {
-        return Err(format!(
-            "{spec} looks like a PCI address; opening NVMe devices through the VFIO driver is \
-             issue #3 and not in this build — pass a file or block device path"
-        )
-        .into());
+/// A device SPEC: a path, or a PCI address with an optional namespace.
+pub enum DeviceSpec {
+    Path(PathBuf),
+    Nvme { bdf: String, nsid: u32 },
+}
+
+impl DeviceSpec {
+    pub fn parse(spec: &str) -> Result<Self, String> {
+        let (addr, ns) = match spec.rsplit_once("/ns") {
+            Some((a, n)) if is_pci_address(a) => (a, Some(n)),
+            _ => (spec, None),
+        };
+        if !is_pci_address(addr) {
+            return Ok(DeviceSpec::Path(PathBuf::from(spec)));
+        }
+        let nsid = match ns {
+            None => 1,
+            Some(n) => n.parse().map_err(|_| {
+                format!("{spec}: expected ADDR/nsN with a namespace number, like 0000:00:04.0/ns2")
+            })?,
+        };
+        let bdf = if addr.matches(':').count() == 1 {
+            format!("0000:{addr}")
+        } else {
+            addr.to_string()
+        };
+        Ok(DeviceSpec::Nvme { bdf, nsid })
     }
-    let path = PathBuf::from(spec);
+}
+
+/// Open a file device (creating it with `create` bytes when missing).
+fn open_file(
+    path: &std::path::Path,
+    create: Option<u64>,
+) -> Result<FileDevice, Box<dyn std::error::Error>> {
+    let spec = path.display();
     match (path.exists(), create) {
-        (false, Some(size)) => Ok(FileDevice::create(&path, size, FileOptions::default())?),
+        (false, Some(size)) => Ok(FileDevice::create(path, size, FileOptions::default())?),
         (false, None) => Err(format!("{spec}: no such file (pass --size to create it)").into()),
-        (true, _) => Ok(FileDevice::open(&path, FileOptions::default())?),
+        (true, _) => Ok(FileDevice::open(path, FileOptions::default())?),
     }
+}
+
+/// Open an NVMe namespace through the VFIO driver.
+fn open_nvme(bdf: &str, nsid: u32) -> Result<NvmeDevice, Box<dyn std::error::Error>> {
+    Ok(NvmeDevice::open(bdf, nsid, NvmeOptions::default())?)
+}
+
+/// Run `$body` with `$dev` bound to the device a spec names, whatever its type.
+macro_rules! with_device {
+    ($spec:expr, $create:expr, |$dev:ident| $body:expr) => {
+        match DeviceSpec::parse($spec)? {
+            DeviceSpec::Path(p) => {
+                let $dev = open_file(&p, $create)?;
+                $body
+            }
+            DeviceSpec::Nvme { bdf, nsid } => {
+                if $create.is_some() {
+                    return Err("--size applies to files only".into());
+                }
+                let $dev = open_nvme(&bdf, nsid)?;
+                $body
+            }
+        }
+    };
 }
 
 /// `DDDD:BB:DD.F` or `BB:DD.F`.
@@ -122,7 +174,10 @@ pub fn is_pci_address(s: &str) -> bool {
 }
 
 pub fn run_mkfs(a: MkfsArgs) -> CliResult {
-    let dev = open_device(&a.device, a.size)?;
+    with_device!(&a.device, a.size, |dev| mkfs_on(&dev, &a))
+}
+
+fn mkfs_on<D: BlockDevice>(dev: &D, a: &MkfsArgs) -> CliResult {
     let opts = MkfsOptions {
         cluster_fsid: a.cluster,
         node_id: a.node,
@@ -136,7 +191,7 @@ pub fn run_mkfs(a: MkfsArgs) -> CliResult {
             .ok_or("--chunk-kib is too large")?,
         ..MkfsOptions::default()
     };
-    let label = mkfs(&dev, &opts)?;
+    let label = mkfs(dev, &opts)?;
     println!(
         "{}: labelled device {} for cluster {} node {}: {} segments of {} MiB, {} KiB chunks",
         a.device,
@@ -151,14 +206,16 @@ pub fn run_mkfs(a: MkfsArgs) -> CliResult {
 }
 
 pub fn run_store_tool(a: StoreToolArgs) -> CliResult {
-    let dev = open_device(&a.device, None)?;
-    let config = StoreConfig {
-        cleaner: false,
-        ..StoreConfig::default()
-    };
-    let (store, report) = Store::open(dev, a.cluster, config)?;
-    eprintln!("{}: {report}", a.device);
-    tool(&store, a.cmd)
+    let none: Option<u64> = None;
+    with_device!(&a.device, none, |dev| {
+        let config = StoreConfig {
+            cleaner: false,
+            ..StoreConfig::default()
+        };
+        let (store, report) = Store::open(dev, a.cluster, config)?;
+        eprintln!("{}: {report}", a.device);
+        tool(&store, a.cmd)
+    })
 }
 
 fn tool<D: BlockDevice + 'static>(s: &Store<D>, cmd: StoreToolCmd) -> CliResult {
@@ -268,5 +325,18 @@ mod tests {
         assert!(!is_pci_address("/dev/nvme0n1"));
         assert!(!is_pci_address("disk.img"));
         assert!(parse_fsid("nope").unwrap_err().contains("expected a UUID"));
+        match DeviceSpec::parse("00:04.0/ns2").unwrap() {
+            DeviceSpec::Nvme { bdf, nsid } => assert_eq!((bdf.as_str(), nsid), ("0000:00:04.0", 2)),
+            DeviceSpec::Path(_) => panic!("a PCI address"),
+        }
+        assert!(matches!(
+            DeviceSpec::parse("0000:00:04.0").unwrap(),
+            DeviceSpec::Nvme { nsid: 1, .. }
+        ));
+        assert!(matches!(
+            DeviceSpec::parse("/tmp/dev.img").unwrap(),
+            DeviceSpec::Path(_)
+        ));
+        assert!(DeviceSpec::parse("0000:00:04.0/nsx").is_err());
     }
 }

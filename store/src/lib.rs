@@ -60,6 +60,16 @@ pub struct StoreConfig {
     pub staging_bytes: usize,
     /// Run the background cleaner.
     pub cleaner: bool,
+    /// Run a background scrub: every `interval` a pass reads and verifies every chunk at
+    /// no more than `bytes_per_sec`. `None`: scrub only when asked (`scrub`, `scrub_step`).
+    pub scrub: Option<ScrubSchedule>,
+}
+
+/// When and how fast the background scrub runs.
+#[derive(Debug, Clone, Copy)]
+pub struct ScrubSchedule {
+    pub interval: std::time::Duration,
+    pub bytes_per_sec: u64,
 }
 
 impl Default for StoreConfig {
@@ -70,6 +80,7 @@ impl Default for StoreConfig {
             round_bytes_max: 64 << 20,
             staging_bytes: 16 << 20,
             cleaner: true,
+            scrub: None,
         }
     }
 }
@@ -87,6 +98,8 @@ pub(crate) struct Shared<D: BlockDevice> {
     pub stats: stats::Stats,
     pub read_queues: thread_local::ThreadLocal<RefCell<Option<D::Queue>>>,
     pub spare_queue: Mutex<Option<D::Queue>>,
+    /// The last complete background scrub pass.
+    pub last_scrub: Mutex<Option<ScrubReport>>,
 }
 
 /// An open store on a device. Share it between threads by reference (or `Arc`); every method
@@ -96,6 +109,7 @@ pub struct Store<D: BlockDevice + 'static> {
     user_tx: Option<Sender<commit::Msg>>,
     bg_tx: Option<Sender<commit::Msg>>,
     cleaner_stop: Option<Sender<()>>,
+    scrub_stop: Option<Sender<()>>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -170,7 +184,13 @@ impl<D: BlockDevice + 'static> Store<D> {
         self.stop();
     }
 
+    /// The last complete background scrub pass, if one has finished.
+    pub fn last_scrub(&self) -> Option<ScrubReport> {
+        self.sh.last_scrub.lock().unwrap().clone()
+    }
+
     fn stop(&mut self) {
+        self.scrub_stop.take();
         self.cleaner_stop.take();
         self.user_tx.take();
         self.bg_tx.take();

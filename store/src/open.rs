@@ -447,6 +447,7 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
         stats: Default::default(),
         read_queues: thread_local::ThreadLocal::new(),
         spare_queue: Mutex::new(None),
+        last_scrub: Mutex::new(None),
         dev,
     });
     *sh.spare_queue.lock().unwrap() = Some(sh.dev.open_queue()?);
@@ -483,14 +484,24 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
     }
     report.elapsed = t0.elapsed();
     tracing::info!(device = %sh.name, "{report}");
-    Ok((
-        Store {
-            sh,
-            user_tx: Some(user_tx),
-            bg_tx: Some(bg_tx),
-            cleaner_stop,
-            threads,
-        },
-        report,
-    ))
+    let mut store = Store {
+        sh,
+        user_tx: Some(user_tx),
+        bg_tx: Some(bg_tx),
+        cleaner_stop,
+        scrub_stop: None,
+        threads,
+    };
+    if let Some(schedule) = config.scrub {
+        let (stop_tx, stop_rx) = crossbeam::channel::bounded::<()>(0);
+        let sh = store.sh.clone();
+        store.threads.push(
+            std::thread::Builder::new()
+                .name("store-scrub".into())
+                .spawn(move || crate::scrub::background(sh, schedule, stop_rx))
+                .expect("spawn scrub thread"),
+        );
+        store.scrub_stop = Some(stop_tx);
+    }
+    Ok((store, report))
 }

@@ -2,14 +2,17 @@
 //! bounded rate, and report what it found.
 
 use std::ops::Bound;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use crossbeam::channel::{Receiver, RecvTimeoutError, TryRecvError};
 
 use driver::BlockDevice;
 
 use crate::error::StoreError;
 use crate::format::ChunkRef;
 use crate::key::ObjectKey;
-use crate::Store;
+use crate::{ScrubSchedule, Shared, Store};
 
 /// A chunk whose bytes do not match their CRC32C.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,13 +52,58 @@ impl<D: BlockDevice + 'static> Store<D> {
         max_bytes: u64,
         bytes_per_sec: Option<u64>,
     ) -> ScrubReport {
+        self.sh.scrub_step(after, max_bytes, bytes_per_sec)
+    }
+}
+
+/// The background scrub thread: a rate-limited pass every `interval`, resumable in steps.
+pub(crate) fn background<D: BlockDevice>(sh: Arc<Shared<D>>, s: ScrubSchedule, stop: Receiver<()>) {
+    const STEP_BYTES: u64 = 16 << 20;
+    loop {
+        let t0 = Instant::now();
+        let mut pass = ScrubReport::default();
+        let mut cursor = None;
+        loop {
+            if !matches!(stop.try_recv(), Err(TryRecvError::Empty)) {
+                return;
+            }
+            let step = sh.scrub_step(cursor, STEP_BYTES, Some(s.bytes_per_sec));
+            pass.objects += step.objects;
+            pass.chunks += step.chunks;
+            pass.bytes += step.bytes;
+            pass.corrupt.extend(step.corrupt);
+            pass.errors.extend(step.errors);
+            cursor = step.resume_after;
+            if cursor.is_none() {
+                break;
+            }
+        }
+        pass.elapsed = t0.elapsed();
+        if !pass.corrupt.is_empty() {
+            tracing::error!(corrupt = pass.corrupt.len(), "scrub found corrupt chunks");
+        }
+        *sh.last_scrub.lock().unwrap() = Some(pass);
+        match stop.recv_timeout(s.interval.saturating_sub(t0.elapsed())) {
+            Err(RecvTimeoutError::Timeout) => {}
+            _ => return,
+        }
+    }
+}
+
+impl<D: BlockDevice> Shared<D> {
+    fn scrub_step(
+        &self,
+        after: Option<ObjectKey>,
+        max_bytes: u64,
+        bytes_per_sec: Option<u64>,
+    ) -> ScrubReport {
         let t0 = Instant::now();
         let mut rep = ScrubReport::default();
         let lower = match &after {
             Some(k) => Bound::Excluded(k.clone()),
             None => Bound::Unbounded,
         };
-        for e in self.sh.index.range((lower, Bound::Unbounded)) {
+        for e in self.index.range((lower, Bound::Unbounded)) {
             let (key, m) = (e.key().clone(), e.value().clone());
             rep.objects += 1;
             let refs: Vec<(Option<usize>, ChunkRef)> = m
@@ -69,14 +117,13 @@ impl<D: BlockDevice + 'static> Store<D> {
             for (chunk, r) in refs {
                 rep.chunks += 1;
                 rep.bytes += r.len.get() as u64;
-                match self.sh.read_ref_vec(&r, "object chunk") {
+                match self.read_ref_vec(&r, "object chunk") {
                     Ok(_) => {}
                     Err(StoreError::Corrupted {
                         expected, found, ..
                     }) => {
                         // A relocation may have raced with us: only report if still current.
                         let current = self
-                            .sh
                             .index
                             .get(&key)
                             .is_some_and(|e| e.value().state_seq == m.state_seq);

@@ -127,3 +127,43 @@ fn rot_in_an_acknowledged_log_batch_refuses_to_open() {
     let msg = e.to_string();
     assert!(msg.contains("acknowledged data is corrupt"), "{msg}");
 }
+
+#[test]
+fn background_scrub_finds_flips_on_its_own() {
+    let dev = sim(64, 14);
+    nvstore_store::mkfs(&dev, &mkfs_opts()).unwrap();
+    let config = StoreConfig {
+        scrub: Some(nvstore_store::ScrubSchedule {
+            interval: std::time::Duration::from_millis(50),
+            bytes_per_sec: 1 << 30,
+        }),
+        ..StoreConfig::default()
+    };
+    let (s, _) = Store::open(dev.clone(), Some(FSID), config).unwrap();
+    let objs = fill(&s, 12, 4);
+    let victims: Vec<&str> = objs.iter().take(2).map(|(n, _)| n.as_str()).collect();
+    flip_chunks(&dev, &s, &victims, 31);
+    // Wait (bounded) for a complete pass that started after the flips.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let report = loop {
+        if let Some(r) = s.last_scrub().filter(|r| r.corrupt.len() == 2) {
+            break r;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no scrub pass reported the flips: {:?}",
+            s.last_scrub()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert_eq!(report.objects, 12);
+    let mut keys: Vec<String> = report
+        .corrupt
+        .iter()
+        .map(|c| String::from_utf8_lossy(&c.key.name).into_owned())
+        .collect();
+    keys.sort();
+    let mut want: Vec<String> = victims.iter().map(|v| v.to_string()).collect();
+    want.sort();
+    assert_eq!(keys, want);
+}
