@@ -137,7 +137,7 @@ impl<D: BlockDevice> Cleaner<D> {
                     ChunkSrc::Hole
                 } else if in_seg(r) {
                     match take(r) {
-                        Some(v) => ChunkSrc::New(DataRef::Owned(v)),
+                        Some(v) => ChunkSrc::New(DataRef::Owned(v), r.crc.get()),
                         None => {
                             ok = false;
                             ChunkSrc::Keep(*r)
@@ -170,6 +170,7 @@ impl<D: BlockDevice> Cleaner<D> {
                     base: Base::Seq(m.state_seq),
                     op: MutOp::Put(PutState {
                         size: m.size,
+                        data_crc: m.data_crc,
                         chunks,
                         xattrs,
                         relocation: true,

@@ -87,7 +87,8 @@ impl DataRef {
 
 pub(crate) enum ChunkSrc {
     Keep(ChunkRef),
-    New(DataRef),
+    /// New bytes and their CRC32C (computed by whoever prepared them, off the commit thread).
+    New(DataRef, u32),
     Hole,
 }
 
@@ -109,6 +110,8 @@ pub(crate) enum Base {
 
 pub(crate) struct PutState {
     pub size: u64,
+    /// CRC32C of the whole new content (computed by the preparer).
+    pub data_crc: u32,
     pub chunks: Vec<ChunkSrc>,
     pub xattrs: XattrSrc,
     /// A relocation: the user-visible version and mtime stay.
@@ -225,28 +228,13 @@ pub(crate) fn now_ns() -> u64 {
 }
 
 /// CRC32C of `n` zero bytes.
-fn zeros_crc(mut n: u64) -> u32 {
+pub(crate) fn zeros_crc(mut n: u64) -> u32 {
     static ZEROS: [u8; 4096] = [0; 4096];
     let mut crc = 0;
     while n > 0 {
         let k = n.min(4096);
         crc = crc32c::crc32c_append(crc, &ZEROS[..k as usize]);
         n -= k;
-    }
-    crc
-}
-
-/// CRC32C of an object's content from its chunk refs.
-pub(crate) fn object_crc(chunks: &[ChunkRef], size: u64, chunk_bytes: u64) -> u32 {
-    let mut crc = 0u32;
-    for (i, c) in chunks.iter().enumerate() {
-        let want = chunk_bytes.min(size - i as u64 * chunk_bytes);
-        let part = if c.len.get() == 0 {
-            zeros_crc(want)
-        } else {
-            c.crc.get()
-        };
-        crc = crc32c::crc32c_combine(crc, part, want as usize);
     }
     crc
 }
@@ -686,7 +674,7 @@ impl<D: BlockDevice> Committer<D> {
             for (m, mu) in acc[t].txn.muts.iter().enumerate() {
                 let MutOp::Put(p) = &mu.op else { continue };
                 for (i, c) in p.chunks.iter().enumerate() {
-                    if matches!(c, ChunkSrc::New(_)) {
+                    if matches!(c, ChunkSrc::New(..)) {
                         txn_items.push((m, i, chunk_len(c)));
                     }
                 }
@@ -767,16 +755,20 @@ impl<D: BlockDevice> Committer<D> {
             self.em.pad_to_block()?;
         }
         let data_start = placement.offset + round_up(64 + meta_len, layout.block);
+        // The data area first, its CRC accumulated while it is copied into staging buffers;
+        // the header that carries that CRC goes out after it.
         let mut at = data_start;
         let mut data_crc = 0u32;
+        if !items.is_empty() {
+            self.em.begin(data_start)?;
+        }
         for &(t, m, i) in items.iter() {
             let bytes = item_bytes(&acc[t], m, i);
-            let crc = crc32c::crc32c(bytes);
+            let crc = item_crc(&acc[t], m, i);
             let len = bytes.len() as u64;
             let padded = round_up(len, layout.block);
-            data_crc = crc32c::crc32c_combine(data_crc, crc, len as usize);
-            data_crc =
-                crc32c::crc32c_combine(data_crc, zeros_crc(padded - len), (padded - len) as usize);
+            data_crc = self.em.put_crc(bytes, data_crc)?;
+            data_crc = self.em.pad_to_block_crc(data_crc)?;
             let r = ChunkRef {
                 offset: at.into(),
                 len: (len as u32).into(),
@@ -822,10 +814,6 @@ impl<D: BlockDevice> Committer<D> {
         self.em.put(h.as_bytes())?;
         self.em.put(&meta)?;
         self.em.pad_to_block()?;
-        for &(t, m, i) in items.iter() {
-            self.em.put(item_bytes(&acc[t], m, i))?;
-            self.em.pad_to_block()?;
-        }
         self.log_bytes_since_ckpt += bytes;
         self.sh.stats.batches.inc();
         items.clear();
@@ -835,7 +823,6 @@ impl<D: BlockDevice> Committer<D> {
 
     /// Build the new states of a transaction's objects and encode their records.
     fn encode_txn(&self, a: &mut Accepted, out: &mut Vec<u8>) -> u32 {
-        let cb = self.sh.chunk_bytes;
         let now = now_ns();
         for (m, mu) in a.txn.muts.iter().enumerate() {
             match &mu.op {
@@ -851,7 +838,7 @@ impl<D: BlockDevice> Committer<D> {
                         .map(|(i, c)| match c {
                             ChunkSrc::Keep(r) => *r,
                             ChunkSrc::Hole => ChunkRef::default(),
-                            ChunkSrc::New(_) => placed[i],
+                            ChunkSrc::New(..) => placed[i],
                         })
                         .collect();
                     let xattrs = match &p.xattrs {
@@ -872,7 +859,7 @@ impl<D: BlockDevice> Committer<D> {
                         state_seq: a.seq,
                         size: p.size,
                         mtime_unix_ns: mtime,
-                        data_crc: object_crc(&chunks, p.size, cb),
+                        data_crc: p.data_crc,
                         chunks,
                         xattrs,
                     };
@@ -1168,7 +1155,7 @@ impl<D: BlockDevice> Committer<D> {
 
 fn chunk_len(c: &ChunkSrc) -> usize {
     match c {
-        ChunkSrc::New(d) => d.bytes().len(),
+        ChunkSrc::New(d, _) => d.bytes().len(),
         _ => 0,
     }
 }
@@ -1177,6 +1164,17 @@ fn xattr_len(x: &XattrSrc) -> usize {
     match x {
         XattrSrc::New(v) => v.len(),
         _ => 0,
+    }
+}
+
+/// The CRC of a data item: prepared for chunks, computed here for xattr maps (small).
+fn item_crc(a: &Accepted, m: usize, i: usize) -> u32 {
+    let MutOp::Put(p) = &a.txn.muts[m].op else {
+        unreachable!("data item of a remove")
+    };
+    match p.chunks.get(i) {
+        Some(ChunkSrc::New(_, crc)) => *crc,
+        _ => crc32c::crc32c(item_bytes(a, m, i)),
     }
 }
 
@@ -1191,7 +1189,7 @@ fn item_bytes(a: &Accepted, m: usize, i: usize) -> &[u8] {
         return v;
     }
     match &p.chunks[i] {
-        ChunkSrc::New(d) => d.bytes(),
+        ChunkSrc::New(d, _) => d.bytes(),
         _ => unreachable!("data item of a kept chunk"),
     }
 }

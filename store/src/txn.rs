@@ -13,7 +13,8 @@ use std::sync::Arc;
 use driver::BlockDevice;
 
 use crate::commit::{
-    Base, ChunkSrc, DataRef, Lent, Msg, Mut, MutOp, Prepared, PutState, TxnResult, XattrSrc,
+    zeros_crc, Base, ChunkSrc, DataRef, Lent, Msg, Mut, MutOp, Prepared, PutState, TxnResult,
+    XattrSrc,
 };
 use crate::error::{Result, StoreError};
 use crate::format::ChunkRef;
@@ -124,6 +125,8 @@ struct Obj {
     blind: bool,
     /// Some op changes the object (not just asserts).
     dirty: bool,
+    /// CRC of the content when it is exactly one write_full's data (cheaper than combining).
+    whole_crc: Option<u32>,
 }
 
 impl<D: BlockDevice> Shared<D> {
@@ -150,6 +153,7 @@ impl<D: BlockDevice> Shared<D> {
             removed: false,
             blind: true,
             dirty: false,
+            whole_crc: None,
         }
     }
 
@@ -278,13 +282,16 @@ impl<D: BlockDevice> Shared<D> {
                 o.exists = true;
                 self.write_at(o, 0, data)?;
                 o.size = data.len() as u64;
+                o.whole_crc = Some(crc32c::crc32c(data));
             }
             Op::Write(off, data) => {
+                o.whole_crc = None;
                 o.blind = false;
                 o.exists = true;
                 self.write_at(o, *off, data)?;
             }
             Op::Append(data) => {
+                o.whole_crc = None;
                 o.blind = false;
                 o.exists = true;
                 let at = o.size;
@@ -372,19 +379,43 @@ impl<D: BlockDevice> Shared<D> {
                     (None, _) => XattrSrc::None,
                 },
             };
-            let chunks = o
+            let cb = self.chunk_bytes;
+            let size = o.size;
+            let mut object_crc = 0u32;
+            let chunks: Vec<ChunkSrc> = o
                 .chunks
                 .into_iter()
-                .map(|c| match c {
-                    Chunk::Keep(r) if r.len.get() == 0 => ChunkSrc::Hole,
-                    Chunk::Keep(r) => ChunkSrc::Keep(r),
-                    Chunk::Hole => ChunkSrc::Hole,
-                    Chunk::Lent(l) => ChunkSrc::New(DataRef::Lent(l)),
-                    Chunk::Owned(v) => ChunkSrc::New(DataRef::Owned(v)),
+                .enumerate()
+                .map(|(i, c)| {
+                    let logical = cb.min(size - i as u64 * cb);
+                    let (src, crc) = match c {
+                        Chunk::Keep(r) if r.len.get() == 0 => (ChunkSrc::Hole, None),
+                        Chunk::Keep(r) => (ChunkSrc::Keep(r), Some(r.crc.get())),
+                        Chunk::Hole => (ChunkSrc::Hole, None),
+                        Chunk::Lent(l) => {
+                            let crc = crc32c::crc32c(crate::commit::lent_bytes(&l));
+                            (ChunkSrc::New(DataRef::Lent(l), crc), Some(crc))
+                        }
+                        Chunk::Owned(v) => {
+                            let crc = crc32c::crc32c(&v);
+                            (ChunkSrc::New(DataRef::Owned(v), crc), Some(crc))
+                        }
+                    };
+                    if o.whole_crc.is_none() {
+                        let part = crc.unwrap_or_else(|| zeros_crc(logical));
+                        object_crc = if i == 0 {
+                            part
+                        } else {
+                            crc32c::crc32c_combine(object_crc, part, logical as usize)
+                        };
+                    }
+                    src
                 })
                 .collect();
+            let data_crc = o.whole_crc.unwrap_or(object_crc);
             MutOp::Put(PutState {
                 size: o.size,
+                data_crc,
                 chunks,
                 xattrs,
                 relocation: false,
