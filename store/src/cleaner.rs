@@ -108,7 +108,7 @@ impl<D: BlockDevice> Cleaner<D> {
             if crc32c::crc32c(meta) == bh.meta_crc.get() {
                 if let Ok(recs) = decode_records(meta, bh.record_count.get()) {
                     for r in recs {
-                        if let Record::State { key, .. } | Record::Owner { key } = r {
+                        if let Record::State { key, .. } | Record::Owner { key, .. } = r {
                             keys.insert(key, ());
                         }
                     }

@@ -687,12 +687,14 @@ impl<D: BlockDevice> Committer<D> {
                     let size = round_up(len as u64, block);
                     // The first chunk of an object in a batch brings an owner record, so the
                     // cleaner can find the object from the segment its data sits in.
-                    let owner_len = owner_record_len(acc[t].txn.muts[m].key.name.len()) as u64;
+                    let owner_len = owner_record_len(acc[t].txn.muts[m].key.name.len(), 0) as u64;
+                    // Each item is listed in its object's owner record (16 bytes); the first
+                    // item of an object in a batch brings the record itself.
                     let owner = |items: &Vec<Item>| {
                         if items.iter().any(|&(t2, m2, _)| (t2, m2) == (t, m)) {
-                            0
+                            16
                         } else {
-                            owner_len
+                            owner_len + 16
                         }
                     };
                     if self
@@ -755,25 +757,18 @@ impl<D: BlockDevice> Committer<D> {
             self.em.pad_to_block()?;
         }
         let data_start = placement.offset + round_up(64 + meta_len, layout.block);
-        // The data area first, its CRC accumulated while it is copied into staging buffers;
-        // the header that carries that CRC goes out after it.
+        // Place the data items; the owner records list them with their CRCs (computed by the
+        // preparer), which is how replay verifies the data area.
         let mut at = data_start;
-        let mut data_crc = 0u32;
-        if !items.is_empty() {
-            self.em.begin(data_start)?;
-        }
+        let mut placed_items: Vec<ChunkRef> = Vec::with_capacity(items.len());
         for &(t, m, i) in items.iter() {
-            let bytes = item_bytes(&acc[t], m, i);
-            let crc = item_crc(&acc[t], m, i);
-            let len = bytes.len() as u64;
-            let padded = round_up(len, layout.block);
-            data_crc = self.em.put_crc(bytes, data_crc)?;
-            data_crc = self.em.pad_to_block_crc(data_crc)?;
+            let len = item_bytes(&acc[t], m, i).len() as u64;
             let r = ChunkRef {
                 offset: at.into(),
                 len: (len as u32).into(),
-                crc: crc.into(),
+                crc: item_crc(&acc[t], m, i).into(),
             };
+            placed_items.push(r);
             let (chunks, xattr) = &mut acc[t].placed[m];
             if i == usize::MAX {
                 *xattr = r;
@@ -783,7 +778,7 @@ impl<D: BlockDevice> Committer<D> {
                 }
                 chunks[i] = r;
             }
-            at += padded;
+            at += round_up(len, layout.block);
         }
         debug_assert_eq!(at - data_start, data_len);
         let mut meta = Vec::with_capacity(meta_len as usize);
@@ -792,7 +787,13 @@ impl<D: BlockDevice> Committer<D> {
         for &(t, m, _) in items.iter() {
             if !owners.contains(&(t, m)) {
                 owners.push((t, m));
-                encode_owner(&acc[t].txn.muts[m].key, acc[t].seq, &mut meta);
+                let refs: Vec<ChunkRef> = items
+                    .iter()
+                    .zip(&placed_items)
+                    .filter(|((t2, m2, _), _)| (*t2, *m2) == (t, m))
+                    .map(|(_, r)| *r)
+                    .collect();
+                encode_owner(&acc[t].txn.muts[m].key, acc[t].seq, &refs, &mut meta);
                 count += 1;
             }
         }
@@ -807,13 +808,17 @@ impl<D: BlockDevice> Committer<D> {
             count,
             &meta,
             data_len,
-            data_crc,
+            0,
             self.durable_through,
         );
         self.em.begin(placement.offset)?;
         self.em.put(h.as_bytes())?;
         self.em.put(&meta)?;
         self.em.pad_to_block()?;
+        for &(t, m, i) in items.iter() {
+            self.em.put(item_bytes(&acc[t], m, i))?;
+            self.em.pad_to_block()?;
+        }
         self.log_bytes_since_ckpt += bytes;
         self.sh.stats.batches.inc();
         items.clear();

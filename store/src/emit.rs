@@ -249,21 +249,6 @@ impl<D: BlockDevice> Emitter<D> {
         Ok(())
     }
 
-    /// [`put`](Self::put), continuing `crc` over the bytes as they are copied.
-    pub fn put_crc(&mut self, bytes: &[u8], crc: u32) -> Result<u32> {
-        self.put(bytes)?;
-        Ok(crc32c::crc32c_append(crc, bytes))
-    }
-
-    /// [`pad_to_block`](Self::pad_to_block), continuing `crc` over the zeros.
-    pub fn pad_to_block_crc(&mut self, crc: u32) -> Result<u32> {
-        let cur = self.cur.as_ref().expect("pad without begin");
-        let pad = cur.len.next_multiple_of(self.block) - cur.len;
-        self.pad_to_block()?;
-        static ZEROS: [u8; 4096] = [0; 4096];
-        Ok(crc32c::crc32c_append(crc, &ZEROS[..pad]))
-    }
-
     /// Pad the run with zeros to the next block boundary.
     pub fn pad_to_block(&mut self) -> Result<()> {
         let cur = self.cur.as_mut().expect("pad without begin");

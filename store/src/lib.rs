@@ -39,7 +39,7 @@ use driver::BlockDevice;
 
 pub use error::{Result, StoreError};
 pub use key::{ObjectKey, NAME_BYTES_MAX, OBJECT_BYTES_MAX, XATTR_BYTES_MAX};
-pub use meta::ObjectMeta;
+pub use meta::{chunk_digest, content_checksum, ObjectMeta};
 pub use open::{mkfs, parse_uuid, read_label, Label, MkfsOptions, OpenReport, Uuid};
 pub use read::{ObjectStat, Part, ReadBuf};
 pub use scrub::{CorruptChunk, ScrubReport};

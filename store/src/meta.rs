@@ -27,6 +27,20 @@ pub struct ObjectMeta {
     pub xattrs: ChunkRef,
 }
 
+/// The object checksum `stat` reports: CRC32C over the little-endian CRC32C of each chunk in
+/// order (a hole counts as the CRC of its zero bytes). Cheap to maintain — no pass over the
+/// data beyond the per-chunk CRCs every write computes anyway.
+pub fn chunk_digest(chunk_crcs: impl IntoIterator<Item = u32>) -> u32 {
+    chunk_crcs
+        .into_iter()
+        .fold(0, |acc, c| crc32c::crc32c_append(acc, &c.to_le_bytes()))
+}
+
+/// The checksum `stat` reports for `data` stored with `chunk_bytes` chunks.
+pub fn content_checksum(data: &[u8], chunk_bytes: usize) -> u32 {
+    chunk_digest(data.chunks(chunk_bytes).map(crc32c::crc32c))
+}
+
 impl ObjectMeta {
     /// Bytes the index spends on this entry's heap parts (for the index-bytes-per-object report).
     pub fn heap_bytes(&self) -> usize {
@@ -46,10 +60,11 @@ pub enum Record {
         seq: u64,
         version: u64,
     },
-    /// The batch holds data of this object (a segment summary entry for the cleaner; replay
-    /// ignores it).
+    /// The batch's data area holds these chunks of this object: a segment summary entry (the
+    /// cleaner finds objects by it) and the per-item checksums replay verifies the data by.
     Owner {
         key: ObjectKey,
+        items: Vec<ChunkRef>,
     },
 }
 
@@ -60,9 +75,9 @@ pub fn state_record_len(name_len: usize, chunks: usize) -> usize {
     HDR + 8 + name_len + std::mem::size_of::<ObjectStateBody>() + chunks * 16
 }
 
-/// Encoded size of an owner record.
-pub fn owner_record_len(name_len: usize) -> usize {
-    HDR + 8 + name_len
+/// Encoded size of an owner record listing `items` data items.
+pub fn owner_record_len(name_len: usize, items: usize) -> usize {
+    HDR + 8 + name_len + 4 + 16 * items
 }
 
 /// Encoded size of a remove record.
@@ -111,12 +126,14 @@ pub fn encode_state(key: &ObjectKey, m: &ObjectMeta, out: &mut Vec<u8>) {
     finish(out, start);
 }
 
-pub fn encode_owner(key: &ObjectKey, seq: u64, out: &mut Vec<u8>) {
+pub fn encode_owner(key: &ObjectKey, seq: u64, items: &[ChunkRef], out: &mut Vec<u8>) {
     let start = out.len();
-    let payload = owner_record_len(key.name.len()) - HDR;
+    let payload = owner_record_len(key.name.len(), items.len()) - HDR;
     out.extend_from_slice(header(key, RECORD_OWNER, seq, payload).as_bytes());
     out.extend_from_slice(&key.pool.to_le_bytes());
     out.extend_from_slice(&key.name);
+    out.extend_from_slice(&(items.len() as u32).to_le_bytes());
+    out.extend_from_slice(items.as_bytes());
     finish(out, start);
 }
 
@@ -201,7 +218,21 @@ fn decode_one(h: &RecordHeader, p: &[u8]) -> Result<Record, String> {
                 version: b.version.get(),
             })
         }
-        RECORD_OWNER => Ok(Record::Owner { key }),
+        RECORD_OWNER => {
+            let n = u32::from_le_bytes(
+                body.get(..4)
+                    .ok_or("truncated owner record")?
+                    .try_into()
+                    .unwrap(),
+            );
+            let items = <[ChunkRef]>::ref_from_prefix_with_elems(&body[4..], n as usize)
+                .map_err(|_| "truncated owner item list")?
+                .0;
+            Ok(Record::Owner {
+                key,
+                items: items.to_vec(),
+            })
+        }
         k => Err(format!("unknown record kind {k}")),
     }
 }

@@ -14,7 +14,7 @@ use crate::format::{
     round_up, Superblock, FORMAT_VERSION, NO_SEGMENT, SB_FLAG_NO_CHECKPOINTS, SEGMENTS_START_BYTES,
     SEGMENT_CHECKPOINT, SEGMENT_LOG, SUPERBLOCK_MAGIC, SUPERBLOCK_OFFSETS,
 };
-use crate::meta::{decode_records, Record};
+use crate::meta::Record;
 use crate::space::{SegState, Segments};
 use crate::stream::{read_region, Layout, Pos, StreamHead, StreamReader};
 use crate::{Shared, Store, StoreConfig};
@@ -314,12 +314,7 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
                     sb.ckpt_batches.get()
                 ),
             })?;
-            let recs = decode_records(&b.meta, b.header.record_count.get()).map_err(|detail| {
-                StoreError::Format {
-                    device: name.clone(),
-                    detail,
-                }
-            })?;
+            let recs = b.records;
             for rec in recs {
                 if let Record::State { key, meta } = rec {
                     index.insert(key, Arc::new(meta));
@@ -342,12 +337,7 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
     let mut r = StreamReader::new(layout, sb.log_id.get(), SEGMENT_LOG, start);
     let mut max_seq = 0u64;
     while let Some(b) = r.next(&dev, &mut q)? {
-        let recs = decode_records(&b.meta, b.header.record_count.get()).map_err(|detail| {
-            StoreError::Format {
-                device: name.clone(),
-                detail,
-            }
-        })?;
+        let recs = b.records;
         for rec in recs {
             match rec {
                 Record::State { key, meta } => {

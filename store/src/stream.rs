@@ -57,7 +57,7 @@ pub struct Pos {
 /// A batch as read back.
 pub struct BatchRead {
     pub header: BatchHeader,
-    pub meta: Vec<u8>,
+    pub records: Vec<crate::meta::Record>,
     pub bytes: u64,
 }
 
@@ -196,15 +196,30 @@ fn batch_at(
         if crc32c::crc32c(meta) != h.meta_crc.get() {
             return None;
         }
-        let data_start =
-            off as usize + round_up(64 + h.meta_bytes.get() as u64, layout.block) as usize;
-        let data = &image[data_start..data_start + h.data_bytes.get() as usize];
-        if crc32c::crc32c(data) != h.data_crc.get() {
-            return None;
+        let records = crate::meta::decode_records(meta, h.record_count.get()).ok()?;
+        // The data area is verified item by item through the owner records' CRCs.
+        let data_lo = layout.segment_base(pos.seg)
+            + off
+            + round_up(64 + h.meta_bytes.get() as u64, layout.block);
+        let data_hi = data_lo + h.data_bytes.get() as u64;
+        let base = layout.segment_base(pos.seg);
+        for r in &records {
+            if let crate::meta::Record::Owner { items, .. } = r {
+                for it in items {
+                    let (o, n) = (it.offset.get(), it.len.get() as u64);
+                    if o < data_lo || o + n > data_hi {
+                        return None;
+                    }
+                    let bytes = &image[(o - base) as usize..(o - base + n) as usize];
+                    if crc32c::crc32c(bytes) != it.crc.get() {
+                        return None;
+                    }
+                }
+            }
         }
         Some(BatchRead {
             header: h,
-            meta: meta.to_vec(),
+            records,
             bytes: total,
         })
     }

@@ -125,8 +125,6 @@ struct Obj {
     blind: bool,
     /// Some op changes the object (not just asserts).
     dirty: bool,
-    /// CRC of the content when it is exactly one write_full's data (cheaper than combining).
-    whole_crc: Option<u32>,
 }
 
 impl<D: BlockDevice> Shared<D> {
@@ -153,7 +151,6 @@ impl<D: BlockDevice> Shared<D> {
             removed: false,
             blind: true,
             dirty: false,
-            whole_crc: None,
         }
     }
 
@@ -282,16 +279,13 @@ impl<D: BlockDevice> Shared<D> {
                 o.exists = true;
                 self.write_at(o, 0, data)?;
                 o.size = data.len() as u64;
-                o.whole_crc = Some(crc32c::crc32c(data));
             }
             Op::Write(off, data) => {
-                o.whole_crc = None;
                 o.blind = false;
                 o.exists = true;
                 self.write_at(o, *off, data)?;
             }
             Op::Append(data) => {
-                o.whole_crc = None;
                 o.blind = false;
                 o.exists = true;
                 let at = o.size;
@@ -401,18 +395,13 @@ impl<D: BlockDevice> Shared<D> {
                             (ChunkSrc::New(DataRef::Owned(v), crc), Some(crc))
                         }
                     };
-                    if o.whole_crc.is_none() {
-                        let part = crc.unwrap_or_else(|| zeros_crc(logical));
-                        object_crc = if i == 0 {
-                            part
-                        } else {
-                            crc32c::crc32c_combine(object_crc, part, logical as usize)
-                        };
-                    }
+                    let part = crc.unwrap_or_else(|| zeros_crc(logical));
+                    object_crc = crc32c::crc32c_append(object_crc, &part.to_le_bytes());
                     src
                 })
                 .collect();
-            let data_crc = o.whole_crc.unwrap_or(object_crc);
+            // The object checksum: `meta::chunk_digest` of the chunk CRCs.
+            let data_crc = object_crc;
             MutOp::Put(PutState {
                 size: o.size,
                 data_crc,
