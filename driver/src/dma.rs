@@ -211,11 +211,16 @@ impl HostMemory {
         Layout::from_size_align(len.max(1), self.align).expect("DMA buffer layout")
     }
 
-    /// Allocate `len` zeroed bytes.
+    /// Allocate `len` zeroed bytes, every page faulted in: the kernel's non-blocking direct-IO
+    /// path (io_uring tries it first) cannot pin a page that is not present, and punts such IO
+    /// to a worker thread — slower by a context switch. `alloc_zeroed` may hand out untouched
+    /// zero pages, so the zeroing is done here explicitly.
     pub fn alloc(self: &Arc<Self>, len: usize) -> Option<DmaBuf> {
         let layout = self.layout(len);
         // SAFETY: layout has a non-zero size.
-        let ptr = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })?;
+        let ptr = NonNull::new(unsafe { std::alloc::alloc(layout) })?;
+        // SAFETY: ptr is a fresh allocation of layout.size() bytes.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, layout.size()) };
         // SAFETY: a fresh allocation of `len` bytes owned only by this buffer; released to
         // HostMemory::release with the same layout.
         Some(unsafe { DmaBuf::from_raw_parts(ptr, ptr.as_ptr() as u64, len, self.clone()) })

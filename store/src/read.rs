@@ -150,7 +150,7 @@ impl<D: BlockDevice> Shared<D> {
     }
 
     /// Group refs into IO runs: (disk offset, bytes) per run, and per ref (run, offset in it).
-    fn plan_runs(&self, refs: &[ChunkRef]) -> RunPlan {
+    pub(crate) fn plan_runs(&self, refs: &[ChunkRef]) -> RunPlan {
         let block = self.layout.block;
         let max = self.dev.geometry().max_transfer_bytes as u64;
         // Plan runs: (disk offset, bytes, first ref index).
@@ -265,7 +265,12 @@ impl<D: BlockDevice> Shared<D> {
 
     /// The chunk refs covering `offset..offset+len` of an object (holes as zero refs), the
     /// first chunk index, and the clamped end.
-    fn refs_for(&self, m: &ObjectMeta, offset: u64, len: u64) -> (Vec<ChunkRef>, usize, u64) {
+    pub(crate) fn refs_for(
+        &self,
+        m: &ObjectMeta,
+        offset: u64,
+        len: u64,
+    ) -> (Vec<ChunkRef>, usize, u64) {
         let cb = self.chunk_bytes;
         let end = offset.saturating_add(len).min(m.size);
         if offset >= end {
@@ -319,6 +324,31 @@ impl<D: BlockDevice> Shared<D> {
             i = j;
         }
         out
+    }
+
+    /// Verify the chunks of a finished read and assemble its parts.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn verify_and_assemble(
+        &self,
+        m: &ObjectMeta,
+        offset: u64,
+        end: u64,
+        first: usize,
+        refs: &[ChunkRef],
+        loc: &[(usize, usize)],
+        bufs: &mut [Option<DmaBuf>],
+    ) -> Result<ReadBuf> {
+        for (r, &(b, at)) in refs.iter().zip(loc) {
+            if b == usize::MAX {
+                continue;
+            }
+            let buf = bufs[b].as_ref().expect("run buffer present");
+            let found = buf.crc32c(0, at, r.len.get() as usize);
+            if found != r.crc.get() {
+                return Err(self.corrupted("object chunk", r, found));
+            }
+        }
+        Ok(self.assemble(m, offset, end, first, loc, bufs))
     }
 
     fn read_meta(&self, m: &ObjectMeta, offset: u64, len: u64) -> Result<ReadBuf> {
@@ -425,7 +455,7 @@ impl<D: BlockDevice> Shared<D> {
         }
     }
 
-    fn moved(&self, key: &ObjectKey, m: &ObjectMeta) -> bool {
+    pub(crate) fn moved(&self, key: &ObjectKey, m: &ObjectMeta) -> bool {
         self.index
             .get(key)
             .is_none_or(|e| e.value().state_seq != m.state_seq)

@@ -269,3 +269,41 @@ fn read_many_matches_single_reads() {
         }
     }
 }
+
+#[test]
+fn async_reader_keeps_many_reads_in_flight() {
+    let (_dev, s) = fresh(64, 9);
+    let objs: Vec<(ObjectKey, Vec<u8>)> = (0..50)
+        .map(|i| {
+            let k = key(&format!("ar{i}"));
+            let d = data(100 + i, (i as usize * 51_001) % 400_000);
+            s.write_full(&k, &d).unwrap();
+            (k, d)
+        })
+        .collect();
+    let mut r = s.reader().unwrap();
+    assert!(matches!(
+        r.submit(&key("missing"), 0, 1, 0),
+        Err(StoreError::NotFound(_))
+    ));
+    let mut out = Vec::new();
+    let mut next = 0;
+    let mut got = std::collections::BTreeMap::new();
+    // Keep up to 16 reads in flight, resubmitting as results come back.
+    while got.len() < objs.len() {
+        while next < objs.len() && r.in_flight() < 16 {
+            let (k, d) = &objs[next];
+            r.submit(k, 1000, d.len() as u64, next as u64).unwrap();
+            next += 1;
+        }
+        r.poll(&mut out, true).unwrap();
+        for (tag, res) in out.drain(..) {
+            got.insert(tag, res.unwrap().to_vec());
+        }
+    }
+    for (i, (_, d)) in objs.iter().enumerate() {
+        let lo = 1000.min(d.len());
+        assert_eq!(got[&(i as u64)], d[lo..], "object {i}");
+    }
+    assert_eq!(r.in_flight(), 0);
+}

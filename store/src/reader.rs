@@ -1,0 +1,215 @@
+//! An asynchronous reader: one thread keeps many object reads in flight on its own device
+//! queue, the way a node's op worker serves concurrent requests. `submit` looks the object up
+//! and queues its chunk reads; `poll` returns whole results (verified, assembled) as their
+//! last IO completes. The synchronous `Store::read` is one submit and one poll.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use driver::{BlockDevice, Completion, DmaBuf, QueueHandle, Request, SubmitErrorKind};
+
+use crate::error::{Result, StoreError};
+use crate::format::ChunkRef;
+use crate::key::ObjectKey;
+use crate::meta::ObjectMeta;
+use crate::read::ReadBuf;
+use crate::{Shared, Store};
+
+/// How long `poll(wait = true)` waits for a completion before giving up on the device.
+const READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// Device request tag: read slot in the high bits, run index in the low 16.
+const RUN_BITS: u32 = 16;
+
+struct Pending {
+    tag: u64,
+    key: ObjectKey,
+    meta: Arc<ObjectMeta>,
+    offset: u64,
+    end: u64,
+    first: usize,
+    refs: Vec<ChunkRef>,
+    loc: Vec<(usize, usize)>,
+    runs: Vec<(u64, u64)>,
+    bufs: Vec<Option<DmaBuf>>,
+    /// Runs not yet submitted (queue full), and runs still on the device.
+    next_run: usize,
+    left: usize,
+    error: Option<StoreError>,
+}
+
+/// Reads in flight from one thread. Create one per thread with [`Store::reader`].
+pub struct Reader<D: BlockDevice> {
+    sh: Arc<Shared<D>>,
+    q: D::Queue,
+    slots: Vec<Option<Pending>>,
+    free: Vec<usize>,
+    /// Slots with runs not yet submitted, oldest first.
+    waiting: std::collections::VecDeque<usize>,
+    comps: Vec<Completion>,
+}
+
+impl<D: BlockDevice + 'static> Store<D> {
+    /// A reader with its own device queue, for one thread.
+    pub fn reader(&self) -> Result<Reader<D>> {
+        Ok(Reader {
+            sh: self.sh.clone(),
+            q: self.sh.dev.open_queue()?,
+            slots: Vec::new(),
+            free: Vec::new(),
+            waiting: std::collections::VecDeque::new(),
+            comps: (0..32).map(|_| Completion::default()).collect(),
+        })
+    }
+}
+
+impl<D: BlockDevice> Reader<D> {
+    /// Reads submitted and not yet returned by `poll`.
+    pub fn in_flight(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+
+    /// Queue a read of `len` bytes at `offset` of `key` (clamped to the object); its result
+    /// comes back from `poll` with `tag`. A missing object is reported here.
+    pub fn submit(&mut self, key: &ObjectKey, offset: u64, len: u64, tag: u64) -> Result<()> {
+        let meta = self.sh.lookup(key)?;
+        let (refs, first, end) = self.sh.refs_for(&meta, offset, len);
+        let (runs, loc) = self.sh.plan_runs(&refs);
+        assert!(runs.len() < 1 << RUN_BITS, "a read of more than 65535 runs");
+        let slot = self.free.pop().unwrap_or_else(|| {
+            self.slots.push(None);
+            self.slots.len() - 1
+        });
+        let n = runs.len();
+        self.slots[slot] = Some(Pending {
+            tag,
+            key: key.clone(),
+            meta,
+            offset,
+            end,
+            first,
+            refs,
+            loc,
+            bufs: (0..n).map(|_| None).collect(),
+            runs,
+            next_run: 0,
+            left: n,
+            error: None,
+        });
+        self.waiting.push_back(slot);
+        self.submit_waiting()
+    }
+
+    /// Submit queued runs while the device queue has room.
+    fn submit_waiting(&mut self) -> Result<()> {
+        let block = self.sh.layout.block;
+        while let Some(&slot) = self.waiting.front() {
+            let p = self.slots[slot].as_mut().expect("waiting slot");
+            while p.next_run < p.runs.len() {
+                if self.q.in_flight() >= self.q.depth() {
+                    return Ok(());
+                }
+                let (off, len) = p.runs[p.next_run];
+                let buf = self.sh.dev.alloc_buf(len as usize)?;
+                let tag = (slot as u64) << RUN_BITS | p.next_run as u64;
+                let req = Request::read(off / block, (len / block) as u32, buf, 0, tag);
+                match self.q.submit(req) {
+                    Ok(()) => p.next_run += 1,
+                    Err(e) if matches!(e.kind, SubmitErrorKind::QueueFull) => return Ok(()),
+                    Err(e) => return Err(e.into_error(&self.sh.name).into()),
+                }
+            }
+            self.waiting.pop_front();
+        }
+        Ok(())
+    }
+
+    /// Move finished reads into `out` as (tag, result). With `wait`, block until at least one
+    /// device completion arrives (if anything is in flight).
+    pub fn poll(&mut self, out: &mut Vec<(u64, Result<ReadBuf>)>, wait: bool) -> Result<usize> {
+        self.poll_min(out, usize::from(wait))
+    }
+
+    /// Like [`poll`](Self::poll), waiting for at least `min` device completions (capped at
+    /// what is in flight): batching completions cuts the syscalls and device notifications
+    /// per read when many reads are in flight.
+    pub fn poll_min(&mut self, out: &mut Vec<(u64, Result<ReadBuf>)>, min: usize) -> Result<usize> {
+        let before = out.len();
+        // Reads of empty ranges (no runs) finish at once.
+        for slot in 0..self.slots.len() {
+            if self.slots[slot].as_ref().is_some_and(|p| p.runs.is_empty()) {
+                self.finish(slot, out);
+            }
+        }
+        let min = if out.len() == before {
+            min.min(self.q.in_flight())
+        } else {
+            0
+        };
+        let n = self.q.wait(&mut self.comps, min, READ_TIMEOUT)?;
+        for k in 0..n {
+            let c = std::mem::take(&mut self.comps[k]);
+            let slot = (c.tag >> RUN_BITS) as usize;
+            let run = (c.tag & ((1 << RUN_BITS) - 1)) as usize;
+            let p = self.slots[slot]
+                .as_mut()
+                .expect("completion for a live read");
+            match c.result {
+                Ok(()) => p.bufs[run] = c.buf,
+                Err(e) => {
+                    p.error.get_or_insert(e.into());
+                }
+            }
+            p.left -= 1;
+            if p.left == 0 {
+                self.finish(slot, out);
+            }
+        }
+        self.submit_waiting()?;
+        Ok(out.len() - before)
+    }
+
+    fn finish(&mut self, slot: usize, out: &mut Vec<(u64, Result<ReadBuf>)>) {
+        let mut p = self.slots[slot].take().expect("finished slot");
+        self.free.push(slot);
+        let result = match p.error.take() {
+            Some(e) => Err(e),
+            None => self.sh.verify_and_assemble(
+                &p.meta,
+                p.offset,
+                p.end,
+                p.first,
+                &p.refs,
+                &p.loc,
+                &mut p.bufs,
+            ),
+        };
+        let result = match result {
+            // The cleaner moved the object while we read it: read it again (synchronously).
+            Err(StoreError::Corrupted { .. }) if self.sh.moved(&p.key, &p.meta) => self
+                .sh
+                .read_object(&p.key, p.offset, p.end.saturating_sub(p.offset)),
+            Err(e @ StoreError::Corrupted { .. }) => {
+                self.sh.stats.corrupt_reads.inc();
+                Err(e)
+            }
+            other => other,
+        };
+        if let Ok(r) = &result {
+            self.sh.stats.reads.inc();
+            self.sh.stats.read_bytes.add(r.len() as u64);
+        }
+        out.push((p.tag, result));
+    }
+}
+
+impl<D: BlockDevice> Drop for Reader<D> {
+    fn drop(&mut self) {
+        // Buffers of reads in flight belong to the device until they complete.
+        let mut sink = Vec::new();
+        while self.q.in_flight() > 0 {
+            if self.poll(&mut sink, true).is_err() {
+                break;
+            }
+        }
+    }
+}
