@@ -137,9 +137,7 @@ fn main() {
     if want("reads") {
         small_reads(&path, size, secs, quick);
     }
-    if !only.is_empty() && !want("restart") && !want("churn") {
-        return;
-    }
+
     let sizes: Vec<u64> = std::env::var("NVSTORE_BENCH_OBJECTS")
         .unwrap_or_else(|_| {
             if quick {
@@ -154,10 +152,11 @@ fn main() {
                 .expect("NVSTORE_BENCH_OBJECTS is a list of numbers")
         })
         .collect();
-    for n in sizes {
+    for n in sizes.into_iter().filter(|_| want("restart")) {
         restart(&path, size, n);
     }
-    churn(
+    if want("churn") {
+        churn(
         &path,
         if quick { 256 << 20 } else { 2 << 30 },
         if quick { 2 } else { 3 },
