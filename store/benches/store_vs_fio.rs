@@ -157,10 +157,11 @@ fn main() {
     }
     if want("churn") {
         churn(
-        &path,
-        if quick { 256 << 20 } else { 2 << 30 },
-        if quick { 2 } else { 3 },
-    );
+            &path,
+            if quick { 256 << 20 } else { 2 << 30 },
+            if quick { 2 } else { 3 },
+        );
+    }
     println!("peak RSS: {} MiB", peak_rss_kib() >> 10);
     let _ = std::fs::remove_file(&path);
 }
