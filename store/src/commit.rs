@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crossbeam::channel::{Receiver, Sender};
-use driver::BlockDevice;
+use driver::{BlockDevice, DmaBuf};
 use zerocopy::IntoBytes;
 
 use crate::emit::Emitter;
@@ -74,13 +74,26 @@ pub(crate) fn lent_bytes(l: &Lent) -> &[u8] {
 pub(crate) enum DataRef {
     Lent(Lent),
     Owned(Vec<u8>),
+    /// Already in a DMA buffer (copied there by the preparing caller, in parallel with other
+    /// callers): written as its own IO, no copy on the commit thread. `None` once submitted.
+    Dma(Option<DmaBuf>, usize),
 }
 
 impl DataRef {
+    /// The bytes, for the copy path. Not for DMA items (no reference into DMA memory).
     pub(crate) fn bytes(&self) -> &[u8] {
         match self {
             DataRef::Lent(l) => l.get(),
             DataRef::Owned(v) => v,
+            DataRef::Dma(..) => unreachable!("DMA items are submitted, not copied"),
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            DataRef::Lent(l) => l.len,
+            DataRef::Owned(v) => v.len(),
+            DataRef::Dma(_, n) => *n,
         }
     }
 }
@@ -762,7 +775,7 @@ impl<D: BlockDevice> Committer<D> {
         let mut at = data_start;
         let mut placed_items: Vec<ChunkRef> = Vec::with_capacity(items.len());
         for &(t, m, i) in items.iter() {
-            let len = item_bytes(&acc[t], m, i).len() as u64;
+            let len = item_len(&acc[t], m, i) as u64;
             let r = ChunkRef {
                 offset: at.into(),
                 len: (len as u32).into(),
@@ -815,9 +828,25 @@ impl<D: BlockDevice> Committer<D> {
         self.em.put(h.as_bytes())?;
         self.em.put(&meta)?;
         self.em.pad_to_block()?;
+        // Data items in order: copied ones stream into staging buffers, DMA ones go out as
+        // their own writes (a copied item after a DMA one starts a new run at its offset).
+        let mut at = data_start;
+        let mut in_run = true;
         for &(t, m, i) in items.iter() {
-            self.em.put(item_bytes(&acc[t], m, i))?;
-            self.em.pad_to_block()?;
+            let len = item_len(&acc[t], m, i) as u64;
+            if let Some(buf) = item_dma(&mut acc[t], m, i) {
+                self.em
+                    .write_dma(at, buf, round_up(len, layout.block) as usize)?;
+                in_run = false;
+            } else {
+                if !in_run {
+                    self.em.begin(at)?;
+                    in_run = true;
+                }
+                self.em.put(item_bytes(&acc[t], m, i))?;
+                self.em.pad_to_block()?;
+            }
+            at += round_up(len, layout.block);
         }
         self.log_bytes_since_ckpt += bytes;
         self.sh.stats.batches.inc();
@@ -1160,8 +1189,30 @@ impl<D: BlockDevice> Committer<D> {
 
 fn chunk_len(c: &ChunkSrc) -> usize {
     match c {
-        ChunkSrc::New(d, _) => d.bytes().len(),
+        ChunkSrc::New(d, _) => d.len(),
         _ => 0,
+    }
+}
+
+/// Length of a data item.
+fn item_len(a: &Accepted, m: usize, i: usize) -> usize {
+    let MutOp::Put(p) = &a.txn.muts[m].op else {
+        unreachable!("data item of a remove")
+    };
+    match p.chunks.get(i) {
+        Some(c) if i != usize::MAX => chunk_len(c),
+        _ => xattr_len(&p.xattrs),
+    }
+}
+
+/// Take a data item's DMA buffer, if it has one.
+fn item_dma(a: &mut Accepted, m: usize, i: usize) -> Option<DmaBuf> {
+    let MutOp::Put(p) = &mut a.txn.muts[m].op else {
+        return None;
+    };
+    match p.chunks.get_mut(i) {
+        Some(ChunkSrc::New(DataRef::Dma(buf, _), _)) => buf.take(),
+        _ => None,
     }
 }
 

@@ -99,7 +99,8 @@ impl<D: BlockDevice> Emitter<D> {
             } else if let Some(r) = self.rounds.iter_mut().find(|r| r.0 == c.tag) {
                 r.1 -= 1;
             }
-            if let Some(b) = c.buf {
+            // Staging buffers go back to the pool; callers' DMA buffers are freed.
+            if let Some(b) = c.buf.filter(|b| b.len() == self.piece_bytes) {
                 self.free.push(b);
             }
         }
@@ -247,6 +248,16 @@ impl<D: BlockDevice> Emitter<D> {
             bytes = &bytes[n..];
         }
         Ok(())
+    }
+
+    /// Write a caller-filled DMA buffer's first `len` bytes (block multiple) at `offset` as its
+    /// own IO in the current round. Ends the current run.
+    pub fn write_dma(&mut self, offset: u64, buf: DmaBuf, len: usize) -> Result<()> {
+        self.close_piece()?;
+        if let Some(prev) = self.held.take() {
+            self.submit(prev, false)?;
+        }
+        self.submit(Piece { buf, offset, len }, false)
     }
 
     /// Pad the run with zeros to the next block boundary.

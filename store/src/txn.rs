@@ -23,6 +23,11 @@ use crate::meta::ObjectMeta;
 use crate::read::encode_xattrs;
 use crate::{Shared, Store};
 
+/// Objects writing at least this much new data copy it into DMA buffers on the caller's
+/// thread (parallel across callers); smaller ones are copied by the commit thread, which packs
+/// them into one write with their neighbours.
+const DMA_COPY_BYTES_MIN: u64 = 256 << 10;
+
 /// How many times a transaction is prepared again after losing a race.
 const CONFLICT_RETRIES_MAX: u32 = 1000;
 
@@ -376,6 +381,12 @@ impl<D: BlockDevice> Shared<D> {
             let cb = self.chunk_bytes;
             let size = o.size;
             let mut object_crc = 0u32;
+            let lent = o
+                .chunks
+                .iter()
+                .filter(|c| matches!(c, Chunk::Lent(_)))
+                .count() as u64;
+            let dma = lent * cb >= DMA_COPY_BYTES_MIN;
             let chunks: Vec<ChunkSrc> = o
                 .chunks
                 .into_iter()
@@ -387,8 +398,21 @@ impl<D: BlockDevice> Shared<D> {
                         Chunk::Keep(r) => (ChunkSrc::Keep(r), Some(r.crc.get())),
                         Chunk::Hole => (ChunkSrc::Hole, None),
                         Chunk::Lent(l) => {
-                            let crc = crc32c::crc32c(crate::commit::lent_bytes(&l));
-                            (ChunkSrc::New(DataRef::Lent(l), crc), Some(crc))
+                            let bytes = crate::commit::lent_bytes(&l);
+                            let crc = crc32c::crc32c(bytes);
+                            // Whole chunks of big writes are copied into DMA memory here, on
+                            // the caller's thread, so the commit thread only submits them.
+                            let buf = (dma && bytes.len() as u64 == cb)
+                                .then(|| self.dev.alloc_buf(bytes.len()).ok())
+                                .flatten();
+                            let src = match buf {
+                                Some(mut buf) => {
+                                    buf.write_at(0, bytes);
+                                    DataRef::Dma(Some(buf), bytes.len())
+                                }
+                                None => DataRef::Lent(l),
+                            };
+                            (ChunkSrc::New(src, crc), Some(crc))
                         }
                         Chunk::Owned(v) => {
                             let crc = crc32c::crc32c(&v);
