@@ -90,6 +90,22 @@ unbind_rebind() {
     nvstore device bind $B
 }
 
+store_bench() { # the store's workloads on controller B: our driver, then the kernel's
+    run_store_bench() { # DEVICE LABEL
+        nvstore bench store --device "$1" --mkfs --seconds @BENCH_SECS@ --objects 2000 --label "$2" \
+            >/tmp/storebench.out 2>&1
+        rc=$?
+        sed -n 's/^STOREBENCH/HWTEST BENCH store/p' /tmp/storebench.out
+        [ $rc -eq 0 ] || { cat /tmp/storebench.out; return 1; }
+    }
+    run_store_bench $B vfio || return 1
+    nvstore device unbind $B || return 1
+    for i in $(seq 1 100); do disk_of $B >/dev/null && break; sleep 0.1; done
+    d=$(disk_of $B) || return 1
+    run_store_bench /dev/$d kernel || return 1
+    nvstore device bind $B
+}
+
 case $mode in
 suite)
     # 64 MiB of 2 MiB hugepages: the first controller's DMA arena gets them, the second falls
@@ -112,6 +128,7 @@ suite)
     if [ @BENCH@ = 1 ]; then
         nvme_hw bench bdf=$B label=file nvstore=/bin/nvstore secs=@BENCH_SECS@ || hw "FAIL benchmark (file-backed)"
         nvme_hw bench bdf=$D label=null nvstore=/bin/nvstore secs=@BENCH_SECS@ || hw "FAIL benchmark (null backend)"
+        check "store benchmark on the NVMe driver and on the kernel's (same controller)" store_bench
     fi
     hw "SUITE-DONE"
     ;;

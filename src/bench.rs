@@ -29,6 +29,9 @@ pub enum BenchCommand {
         #[arg(long)]
         no_fio: bool,
     },
+    /// The store's workloads (lone put latency, 4 KiB puts, 4 MiB writes, 4 KiB reads) on a
+    /// device: a file, a block device or an NVMe PCI address
+    Store(crate::storebench::StoreBenchArgs),
     /// Cluster write benchmark (like rados bench write)
     Write,
     /// Cluster sequential read benchmark
@@ -46,6 +49,7 @@ pub fn run_bench(cmd: BenchCommand) -> Result<ExitCode, Box<dyn std::error::Erro
             rounds,
             no_fio,
         } => device(path, size_mb, seconds, rounds as usize, no_fio),
+        BenchCommand::Store(a) => crate::storebench::run(a),
         BenchCommand::Write | BenchCommand::Seq | BenchCommand::Rand => {
             Ok(crate::cli::not_built("bench write|seq|rand", 7))
         }

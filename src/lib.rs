@@ -3,4 +3,5 @@
 pub mod bench;
 pub mod cli;
 pub mod device;
+pub mod storebench;
 pub mod storecli;

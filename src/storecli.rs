@@ -130,7 +130,7 @@ impl DeviceSpec {
 }
 
 /// Open a file device (creating it with `create` bytes when missing).
-fn open_file(
+pub(crate) fn open_file(
     path: &std::path::Path,
     create: Option<u64>,
 ) -> Result<FileDevice, Box<dyn std::error::Error>> {
@@ -143,7 +143,7 @@ fn open_file(
 }
 
 /// Open an NVMe namespace through the VFIO driver.
-fn open_nvme(bdf: &str, nsid: u32) -> Result<NvmeDevice, Box<dyn std::error::Error>> {
+pub(crate) fn open_nvme(bdf: &str, nsid: u32) -> Result<NvmeDevice, Box<dyn std::error::Error>> {
     Ok(NvmeDevice::open(bdf, nsid, NvmeOptions::default())?)
 }
 

@@ -14,12 +14,13 @@
 //! Without `--bench` (cargo test) it runs a tiny smoke version.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use driver::workload::{run_fio_with, Pattern, Report, Spec};
 use driver::{BlockDevice, FileDevice, FileOptions, Request};
-use nvstore_store::{mkfs, MkfsOptions, ObjectKey, Store, StoreConfig};
+use nvstore_store::bench::{drive, key};
+use nvstore_store::{mkfs, MkfsOptions, Store, StoreConfig};
 
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -43,35 +44,8 @@ fn fresh(path: &Path, size: u64, no_ckpt: bool) -> (Store<FileDevice>, FileDevic
     (s, dev)
 }
 
-fn key(i: u64) -> ObjectKey {
-    ObjectKey::new(1, format!("object-{i:010}").as_bytes(), 0)
-}
-
 fn pct(h: &hdrhistogram::Histogram<u64>, q: f64) -> f64 {
     h.value_at_quantile(q) as f64
-}
-
-/// Run `threads` workers for `secs`; each calls `op(thread, i)`; returns ops/s.
-fn drive(threads: usize, secs: f64, op: impl Fn(usize, u64) + Sync) -> f64 {
-    let stop = AtomicBool::new(false);
-    let done = AtomicU64::new(0);
-    let t0 = Instant::now();
-    std::thread::scope(|s| {
-        for t in 0..threads {
-            let (stop, done, op) = (&stop, &done, &op);
-            s.spawn(move || {
-                let mut i = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    op(t, i);
-                    i += 1;
-                    done.fetch_add(1, Ordering::Relaxed);
-                }
-            });
-        }
-        std::thread::sleep(Duration::from_secs_f64(secs));
-        stop.store(true, Ordering::Relaxed);
-    });
-    done.load(Ordering::Relaxed) as f64 / t0.elapsed().as_secs_f64()
 }
 
 fn fio(
@@ -280,7 +254,7 @@ fn small_reads(path: &Path, size: u64, secs: f64, quick: bool) {
     let (s, _dev) = fresh(path, size, false);
     let n = if quick { 5_000 } else { 200_000 };
     let data = vec![0x22u8; 4096];
-    fill(&s, n, &data);
+    nvstore_store::bench::fill(&s, n, &data, 32);
     let ops = drive(32, secs, |t, i| {
         let k = key((i.wrapping_mul(2_654_435_761) ^ (t as u64 * 97)) % n);
         let r = s.read(&k, 0, 4096).unwrap();
@@ -372,32 +346,12 @@ fn small_reads(path: &Path, size: u64, secs: f64, quick: bool) {
     );
 }
 
-/// Write `n` objects fast: 32 threads, 64-object transactions.
-fn fill(s: &Store<FileDevice>, n: u64, data: &[u8]) {
-    let next = AtomicU64::new(0);
-    std::thread::scope(|sc| {
-        for _ in 0..32 {
-            sc.spawn(|| loop {
-                let start = next.fetch_add(64, Ordering::Relaxed);
-                if start >= n {
-                    break;
-                }
-                let mut t = nvstore_store::Transaction::new();
-                for i in start..(start + 64).min(n) {
-                    t.write_full(key(i), data);
-                }
-                s.commit(t).unwrap();
-            });
-        }
-    });
-}
-
 fn restart(path: &Path, size: u64, n: u64) {
     let data = vec![0x33u8; 1024];
     let mut rows = Vec::new();
     for no_ckpt in [false, true] {
         let (s, _dev) = fresh(path, size, no_ckpt);
-        fill(&s, n, &data);
+        nvstore_store::bench::fill(&s, n, &data, 32);
         let idx = s.index_bytes_per_object();
         drop(s);
         let t = Instant::now();
@@ -433,7 +387,7 @@ fn churn(path: &Path, size: u64, times: u64) {
     let obj = 64usize << 10;
     let count = s.space().usable_bytes() * 7 / 10 / obj as u64;
     let data = vec![0x44u8; obj];
-    fill(&s, count, &data);
+    nvstore_store::bench::fill(&s, count, &data, 32);
     let before = s.stats();
     let t = Instant::now();
     let target = times * size / obj as u64;

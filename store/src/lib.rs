@@ -14,6 +14,7 @@
 //!   byte offset, expected and found CRC — never wrong data.
 //! * Restart reads the latest checkpoint and replays only the log written since it.
 
+pub mod bench;
 mod cleaner;
 mod commit;
 mod emit;
