@@ -42,16 +42,8 @@ fn main() {
         .collect();
     let rows = compare_with_fio(&dev, &path, &specs, rounds).expect("benchmark");
     print_table(&rows);
-    println!("peak RSS: {} MiB", peak_rss_kib() / 1024);
-}
-
-fn peak_rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
+    println!(
+        "peak RSS: {} MiB",
+        nvstore_driver::workload::peak_rss_kib() / 1024
+    );
 }

@@ -245,6 +245,18 @@ fn parse_fio(json: &[u8], read: bool) -> std::result::Result<Report, String> {
     })
 }
 
+/// Peak resident set size of this process (VmHWM), in KiB; 0 if unreadable.
+pub fn peak_rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
 /// Median of a non-empty list.
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());

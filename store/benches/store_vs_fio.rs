@@ -136,7 +136,7 @@ fn main() {
             if quick { 2 } else { 3 },
         );
     }
-    println!("peak RSS: {} MiB", peak_rss_kib() >> 10);
+    println!("peak RSS: {} MiB", driver::workload::peak_rss_kib() >> 10);
     let _ = std::fs::remove_file(&path);
 }
 
@@ -418,15 +418,4 @@ fn churn(path: &Path, size: u64, times: u64) {
         st.cleaned_segments,
         st.checkpoints
     );
-}
-
-fn peak_rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
 }

@@ -382,15 +382,7 @@ impl<D: BlockDevice> Committer<D> {
         }
         let layout = self.log.layout;
         let bytes = layout.batch_bytes(0, 0);
-        let placement = {
-            let mut segs = self.sh.segs.lock().unwrap();
-            self.log.place(bytes, &mut segs, now_ns())?
-        };
-        if let Some((at, h)) = placement.segment_header {
-            self.em.begin(at)?;
-            self.em.put(h.as_bytes())?;
-            self.em.pad_to_block()?;
-        }
+        let placement = place_batch(&self.sh, &mut self.log, &mut self.em, bytes)?;
         let h = batch_header(
             self.log.stream_id,
             self.log.pos.batch_seq - 1,
@@ -760,15 +752,7 @@ impl<D: BlockDevice> Committer<D> {
         }
         let layout = self.log.layout;
         let bytes = layout.batch_bytes(meta_len, data_len);
-        let placement = {
-            let mut segs = self.sh.segs.lock().unwrap();
-            self.log.place(bytes, &mut segs, now_ns())?
-        };
-        if let Some((at, h)) = placement.segment_header {
-            self.em.begin(at)?;
-            self.em.put(h.as_bytes())?;
-            self.em.pad_to_block()?;
-        }
+        let placement = place_batch(&self.sh, &mut self.log, &mut self.em, bytes)?;
         let data_start = placement.offset + round_up(64 + meta_len, layout.block);
         // Place the data items; the owner records list them with their CRCs (computed by the
         // preparer), which is how replay verifies the data area.
@@ -1109,15 +1093,7 @@ impl<D: BlockDevice> Committer<D> {
             }
             c.cursor = last;
             let bytes = layout.batch_bytes(meta.len() as u64, 0);
-            let placement = {
-                let mut segs = self.sh.segs.lock().unwrap();
-                c.head.place(bytes, &mut segs, now_ns())?
-            };
-            if let Some((at, h)) = placement.segment_header {
-                self.em.begin(at)?;
-                self.em.put(h.as_bytes())?;
-                self.em.pad_to_block()?;
-            }
+            let placement = place_batch(&self.sh, &mut c.head, &mut self.em, bytes)?;
             let h = batch_header(
                 c.id,
                 c.head.pos.batch_seq - 1,
@@ -1185,6 +1161,26 @@ impl<D: BlockDevice> Committer<D> {
         segs.reclaim(sb.replay_batch_seq.get(), self.log.pos.seg);
         Ok(true)
     }
+}
+
+/// Reserve room for a batch at a stream's head; when that opens a segment, queue the segment
+/// header write first.
+fn place_batch<D: BlockDevice>(
+    sh: &Shared<D>,
+    head: &mut StreamHead,
+    em: &mut Emitter<D>,
+    bytes: u64,
+) -> Result<crate::stream::Placement> {
+    let placement = {
+        let mut segs = sh.segs.lock().unwrap();
+        head.place(bytes, &mut segs, now_ns())?
+    };
+    if let Some((at, h)) = placement.segment_header {
+        em.begin(at)?;
+        em.put(h.as_bytes())?;
+        em.pad_to_block()?;
+    }
+    Ok(placement)
 }
 
 fn chunk_len(c: &ChunkSrc) -> usize {

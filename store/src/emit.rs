@@ -158,20 +158,24 @@ impl<D: BlockDevice> Emitter<D> {
         }
         if self.written > self.durable && self.flush_covers.is_none() {
             self.flush_covers = Some(self.written);
-            let mut req = Request::flush(FLUSH_TAG);
-            loop {
-                match self.q.submit(req) {
-                    Ok(()) => break,
-                    Err(e) if e.is_full() => {
-                        req = e.request;
-                        self.reap(1)?;
-                    }
-                    Err(e) => return Err(e.into_error(&"store".into()).into()),
-                }
-            }
+            self.submit_req(Request::flush(FLUSH_TAG))?;
             self.q.kick()?;
         }
         Ok(())
+    }
+
+    /// Submit a request, reaping completions while the queue is full.
+    fn submit_req(&mut self, mut req: Request) -> Result<()> {
+        loop {
+            match self.q.submit(req) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.is_full() => {
+                    req = e.request;
+                    self.reap(1)?;
+                }
+                Err(e) => return Err(e.into_error(&"store".into()).into()),
+            }
+        }
     }
 
     fn take_buf(&mut self) -> Result<DmaBuf> {
@@ -187,17 +191,7 @@ impl<D: BlockDevice> Emitter<D> {
         let bs = self.block as u64;
         let tag = self.cur_round;
         let blocks = (p.len / self.block) as u32;
-        let mut req = Request::write(p.offset / bs, blocks, p.buf, 0, fua, tag);
-        loop {
-            match self.q.submit(req) {
-                Ok(()) => break,
-                Err(e) if e.is_full() => {
-                    req = e.request;
-                    self.reap(1)?;
-                }
-                Err(e) => return Err(e.into_error(&"store".into()).into()),
-            }
-        }
+        self.submit_req(Request::write(p.offset / bs, blocks, p.buf, 0, fua, tag))?;
         self.bytes_written += p.len as u64;
         self.writes += 1;
         self.submitted_in_round += 1;
