@@ -2,4 +2,10 @@
 
 pub mod bench;
 pub mod cli;
+pub mod error;
+pub mod map;
+pub mod placement;
 pub mod storecli;
+pub mod wire;
+
+pub use error::{Error, Result};
