@@ -9,3 +9,8 @@ pub mod storecli;
 pub mod wire;
 
 pub use error::{Error, Result};
+pub mod config;
+pub mod monitor;
+pub mod monclient;
+pub mod ops;
+pub mod node;
