@@ -8,9 +8,13 @@ pub mod placement;
 pub mod storecli;
 pub mod wire;
 
+pub use client::Client;
 pub use error::{Error, Result};
 pub mod config;
 pub mod monitor;
 pub mod monclient;
 pub mod ops;
 pub mod node;
+pub mod client;
+pub mod cluster_cmd;
+pub mod demo;

@@ -99,7 +99,7 @@ impl MonClient {
         {
             let mut m = self.map.write().unwrap();
             if let Some(full) = r.full {
-                if full.epoch > m.epoch {
+                if full.epoch > m.epoch || m.fsid.is_empty() {
                     *m = Arc::new(full);
                 }
             }

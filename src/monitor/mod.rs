@@ -252,9 +252,18 @@ impl Monitor {
             }
             let (mut down, mut up) = (Vec::new(), Vec::new());
             {
-                let seen = self.seen.lock().unwrap();
+                let mut seen = self.seen.lock().unwrap();
                 for n in map.nodes.values() {
-                    let last = seen.get(&n.id).map(|s| s.at);
+                    // A node new to this leader gets a full grace period.
+                    let last = Some(
+                        seen.entry(n.id)
+                            .or_insert(Seen {
+                                at: now,
+                                stats: NodeStats::default(),
+                                rates: IoRates::default(),
+                            })
+                            .at,
+                    );
                     let fresh = last.is_some_and(|t| now.duration_since(t) < self.cfg.down_grace());
                     if n.up && !fresh {
                         down.push(n.id);
