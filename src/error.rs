@@ -27,6 +27,9 @@ pub enum Error {
     /// A wait ran out.
     #[error("timed out after {secs:.1} s: {what}")]
     Timeout { what: String, secs: f64 },
+    /// Internal to a node: reading shard `.0` failed (it is read around when possible).
+    #[error("shard {0}: {1}")]
+    FetchFailed(usize, Box<Error>),
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -50,6 +53,14 @@ impl Error {
         }
     }
 
+    /// The text a reply carries (the status travels separately).
+    pub fn message(&self) -> String {
+        match self {
+            Error::Remote { message, .. } => message.clone(),
+            e => e.to_string(),
+        }
+    }
+
     /// The status a node reports for this error.
     pub fn status(&self) -> Status {
         match self {
@@ -62,6 +73,7 @@ impl Error {
             Error::Store(store::StoreError::OutOfSpace { .. }) => Status::NoSpace,
             Error::Malformed(_) => Status::Malformed,
             Error::Timeout { .. } => Status::TimedOut,
+            Error::FetchFailed(_, e) => e.status(),
             _ => Status::Io,
         }
     }

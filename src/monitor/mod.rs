@@ -102,7 +102,7 @@ impl Dispatcher for MonDispatcher {
         let reply = mon.handle(&msg);
         if msg.is_request() {
             let body = reply.unwrap_or_else(|e| {
-                wire::reply_err(mon.epoch(), e.status(), &e.to_string())
+                wire::reply_err(mon.epoch(), e.status(), &e.message())
             });
             let _ = msg.reply(OutMessage::new(wire::MSG_REPLY, body));
         } else if let Err(e) = reply {

@@ -143,7 +143,7 @@ impl Node {
         }
         let body = match r {
             Ok(b) => b,
-            Err(e) => wire::reply_err(self.epoch(), e.status(), &e.to_string()),
+            Err(e) => wire::reply_err(self.epoch(), e.status(), &e.message()),
         };
         let _ = msg.reply(OutMessage::new(wire::MSG_REPLY, body));
     }

@@ -427,7 +427,7 @@ impl Node {
                     status: Status::VersionMismatch,
                     ..
                 }) => return Err(stale()),
-                Err(e) => return Err(e),
+                Err(e) => return Err(Error::FetchFailed(slot, Box::new(e))),
             };
             let mut d = Dec::new(&p);
             d.u64()?;
@@ -448,6 +448,28 @@ impl Node {
         if offset >= st.size || len == 0 {
             return Ok(Vec::new());
         }
+        // A shard that fails to answer is read around (degraded), as long as k others can.
+        let mut excluded = 0u64;
+        loop {
+            match self.read_range_without(ctx, name, st, offset, len, excluded) {
+                Err(Error::Remote {
+                    status: Status::VersionMismatch,
+                    message,
+                }) => {
+                    return Err(Error::Remote {
+                        status: Status::VersionMismatch,
+                        message,
+                    })
+                }
+                Err(Error::FetchFailed(slot, _)) if excluded & bit(slot) == 0 => excluded |= bit(slot),
+                Err(Error::FetchFailed(_, e)) => return Err(*e),
+                r => return r,
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn read_range_without(&self, ctx: &Ctx, name: &[u8], st: &ObjState, offset: u64, len: u64, excluded: u64) -> Result<Vec<u8>> {
         let len = len.min(st.size - offset);
         let k = ctx.k();
         let mut ranges: BTreeMap<usize, (u64, u64)> = BTreeMap::new();
@@ -456,7 +478,7 @@ impl Node {
             r.0 = r.0.min(e.shard_offset);
             r.1 = r.1.max(e.shard_offset + e.len as u64);
         }
-        let avail = |s: usize| st.current & bit(s) != 0 && ctx.up(s).is_some();
+        let avail = |s: usize| st.current & bit(s) != 0 && excluded & bit(s) == 0 && ctx.up(s).is_some();
         let missing: Vec<usize> = ranges.keys().copied().filter(|s| !avail(*s)).collect();
         let bufs: HashMap<usize, (u64, Vec<u8>)> = if missing.is_empty() {
             let want: Vec<_> = ranges.iter().map(|(s, (lo, hi))| (*s, *lo, hi - lo)).collect();
@@ -720,13 +742,28 @@ impl Node {
                 return Ok(acked);
             }
             if Instant::now() >= deadline {
+                let down: Vec<u32> = ctx
+                    .acting
+                    .members
+                    .iter()
+                    .flatten()
+                    .copied()
+                    .filter(|n| !ctx_map.is_up(*n))
+                    .collect();
+                let waited = if waiting > 0 {
+                    format!(", {waiting} up member(s) did not confirm ({last_err})")
+                } else {
+                    String::new()
+                };
                 return Err(Error::remote(
                     Status::Degraded,
                     format!(
-                        "write of {} not acknowledged: {n_acked} shard(s) durable, min_size is \
-                         {min_size}, {waiting} up member(s) did not confirm ({last_err}); the \
+                        "write of {:?} not acknowledged after {:.1} s: {n_acked} of {} shards \
+                         durable, min_size is {min_size}; nodes down: {down:?}{waited}. The \
                          object holds either its old or its new content",
-                        String::from_utf8_lossy(name)
+                        String::from_utf8_lossy(name),
+                        self.cfg.write_wait_ms as f64 / 1000.0,
+                        ctx.n()
                     ),
                 ));
             }
