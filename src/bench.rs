@@ -1,4 +1,4 @@
-//! `nvstore bench`: the device benchmark now; cluster benchmarks when the cluster lands.
+//! `nvstore bench`: the device benchmark, and the cluster benchmarks (`bench_cluster`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -29,12 +29,12 @@ pub enum BenchCommand {
         #[arg(long)]
         no_fio: bool,
     },
-    /// Cluster write benchmark (like rados bench write)
-    Write,
-    /// Cluster sequential read benchmark
-    Seq,
-    /// Cluster random read benchmark
-    Rand,
+    /// Cluster write benchmark (like rados bench write): whole-object puts
+    Write(crate::bench_cluster::ClusterBenchArgs),
+    /// Cluster sequential read benchmark over the objects a `write` run left
+    Seq(crate::bench_cluster::ClusterBenchArgs),
+    /// Cluster random read benchmark over the objects a `write` run left
+    Rand(crate::bench_cluster::ClusterBenchArgs),
 }
 
 pub fn run_bench(cmd: BenchCommand) -> Result<ExitCode, Box<dyn std::error::Error>> {
@@ -46,9 +46,9 @@ pub fn run_bench(cmd: BenchCommand) -> Result<ExitCode, Box<dyn std::error::Erro
             rounds,
             no_fio,
         } => device(path, size_mb, seconds, rounds as usize, no_fio),
-        BenchCommand::Write | BenchCommand::Seq | BenchCommand::Rand => {
-            Ok(crate::cli::not_built("bench write|seq|rand", 7))
-        }
+        BenchCommand::Write(a) => crate::bench_cluster::run(crate::bench_cluster::Mode::Write, a),
+        BenchCommand::Seq(a) => crate::bench_cluster::run(crate::bench_cluster::Mode::Seq, a),
+        BenchCommand::Rand(a) => crate::bench_cluster::run(crate::bench_cluster::Mode::Rand, a),
     }
 }
 

@@ -18,3 +18,4 @@ pub mod node;
 pub mod client;
 pub mod cluster_cmd;
 pub mod demo;
+pub mod bench_cluster;
