@@ -78,7 +78,15 @@ fn obj_name(size: u64, i: u64) -> String {
 }
 
 /// Run one benchmark with an existing client.
-pub fn bench(c: &Client, pool: u64, mode: Mode, size: u64, concurrency: usize, seconds: u64, progress: bool) -> crate::Result<BenchResult> {
+pub fn bench(
+    c: &Client,
+    pool: u64,
+    mode: Mode,
+    size: u64,
+    concurrency: usize,
+    seconds: u64,
+    progress: bool,
+) -> crate::Result<BenchResult> {
     let meta = format!("bench-{size}-meta");
     let existing: u64 = c
         .get(pool, meta.as_bytes())
@@ -90,7 +98,11 @@ pub fn bench(c: &Client, pool: u64, mode: Mode, size: u64, concurrency: usize, s
             "no objects of {size} bytes to read: run `nvstore bench write --size {size}` first"
         )));
     }
-    let next = Arc::new(AtomicU64::new(if mode == Mode::Write { existing } else { 0 }));
+    let next = Arc::new(AtomicU64::new(if mode == Mode::Write {
+        existing
+    } else {
+        0
+    }));
     let done = Arc::new(AtomicU64::new(0));
     let errors = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
@@ -100,8 +112,10 @@ pub fn bench(c: &Client, pool: u64, mode: Mode, size: u64, concurrency: usize, s
     let bar = progress.then(|| {
         let b = indicatif::ProgressBar::new(seconds);
         b.set_style(
-            indicatif::ProgressStyle::with_template("{spinner} {elapsed_precise} [{bar:30}] {pos}/{len} s  {msg}")
-                .expect("template"),
+            indicatif::ProgressStyle::with_template(
+                "{spinner} {elapsed_precise} [{bar:30}] {pos}/{len} s  {msg}",
+            )
+            .expect("template"),
         );
         b
     });
@@ -109,9 +123,16 @@ pub fn bench(c: &Client, pool: u64, mode: Mode, size: u64, concurrency: usize, s
     let hists: Vec<Histogram<u64>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..concurrency)
             .map(|t| {
-                let (next, done, errors, stop, payload) = (next.clone(), done.clone(), errors.clone(), stop.clone(), payload.clone());
+                let (next, done, errors, stop, payload) = (
+                    next.clone(),
+                    done.clone(),
+                    errors.clone(),
+                    stop.clone(),
+                    payload.clone(),
+                );
                 s.spawn(move || {
-                    let mut h = Histogram::<u64>::new_with_bounds(1, 600_000_000, 3).expect("bounds");
+                    let mut h =
+                        Histogram::<u64>::new_with_bounds(1, 600_000_000, 3).expect("bounds");
                     let mut rng = rand::rngs::SmallRng::seed_from_u64(t as u64);
                     while !stop.load(Relaxed) {
                         let i = match mode {
@@ -127,7 +148,10 @@ pub fn bench(c: &Client, pool: u64, mode: Mode, size: u64, concurrency: usize, s
                                 if d.len() as u64 == size {
                                     Ok(())
                                 } else {
-                                    Err(crate::Error::Malformed(format!("{name}: {} bytes", d.len())))
+                                    Err(crate::Error::Malformed(format!(
+                                        "{name}: {} bytes",
+                                        d.len()
+                                    )))
                                 }
                             }),
                         };
@@ -162,7 +186,10 @@ pub fn bench(c: &Client, pool: u64, mode: Mode, size: u64, concurrency: usize, s
             }
         }
         stop.store(true, Relaxed);
-        handles.into_iter().map(|h| h.join().expect("bench thread")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("bench thread"))
+            .collect()
     });
     let secs = t0.elapsed().as_secs_f64();
     if let Some(b) = bar {
@@ -210,11 +237,23 @@ pub fn print(r: &BenchResult) {
 pub fn run(mode: Mode, a: ClusterBenchArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let c = Client::from_config(&a.conf)?;
     let pool = c.pool_id(&a.pool)?;
-    let r = bench(&c, pool, mode, a.size, a.concurrency.max(1), a.seconds.max(1), !a.json)?;
+    let r = bench(
+        &c,
+        pool,
+        mode,
+        a.size,
+        a.concurrency.max(1),
+        a.seconds.max(1),
+        !a.json,
+    )?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else {
         print(&r);
     }
-    Ok(if r.errors > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+    Ok(if r.errors > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
 }

@@ -50,11 +50,19 @@ pub struct Client {
 impl Client {
     pub fn from_config(path: &Path) -> Result<Client> {
         let c = ClientConfig::load(path)?;
-        Client::connect(&c.monitors, &Secret::load(&c.key_file)?, Duration::from_millis(c.op_timeout_ms))
+        Client::connect(
+            &c.monitors,
+            &Secret::load(&c.key_file)?,
+            Duration::from_millis(c.op_timeout_ms),
+        )
     }
 
     /// Connect to the cluster whose monitors are at `monitors`.
-    pub fn connect(monitors: &[SocketAddr], secret: &Secret, op_timeout: Duration) -> Result<Client> {
+    pub fn connect(
+        monitors: &[SocketAddr],
+        secret: &Secret,
+        op_timeout: Duration,
+    ) -> Result<Client> {
         let disp = Arc::new(ClientDispatcher(OnceLock::new()));
         let id = rand::random::<u32>() & 0x3fff_ffff;
         let msgr = Arc::new(Messenger::new(
@@ -104,7 +112,15 @@ impl Client {
     }
 
     /// Create an EC pool; returns its id.
-    pub fn create_pool(&self, name: &str, k: u32, m: u32, stripe_unit: u32, pg_num: u32, min_size: Option<u32>) -> Result<u64> {
+    pub fn create_pool(
+        &self,
+        name: &str,
+        k: u32,
+        m: u32,
+        stripe_unit: u32,
+        pg_num: u32,
+        min_size: Option<u32>,
+    ) -> Result<u64> {
         let r = self.monc.command(&MonCommand::CreatePool {
             name: name.into(),
             k,
@@ -145,7 +161,12 @@ impl Client {
 
     /// Run `f(primary connection, epoch)` against the primary of (pool, name), retrying on
     /// primary changes and lost connections until the op deadline.
-    fn with_primary<T>(&self, pool: u64, name: &[u8], mut f: impl FnMut(&Connection, u64, Duration) -> Result<T>) -> Result<T> {
+    fn with_primary<T>(
+        &self,
+        pool: u64,
+        name: &[u8],
+        mut f: impl FnMut(&Connection, u64, Duration) -> Result<T>,
+    ) -> Result<T> {
         let deadline = Instant::now() + self.timeout;
         let mut last = String::from("no attempt");
         let mut refreshed = false;
@@ -164,7 +185,10 @@ impl Client {
                     let _ = self.monc.subscribe();
                     continue;
                 }
-                return Err(Error::remote(Status::NoSuchPool, format!("no pool with id {pool} at epoch {}", map.epoch)));
+                return Err(Error::remote(
+                    Status::NoSuchPool,
+                    format!("no pool with id {pool} at epoch {}", map.epoch),
+                ));
             };
             let a = Acting::compute(&map, p, pg_of(p, name));
             let Some(primary) = a.primary else {
@@ -173,9 +197,13 @@ impl Client {
                 continue;
             };
             let addr = map.nodes[&primary].addr;
-            let r = self
-                .conn(primary, addr)
-                .and_then(|c| f(&c, map.epoch, deadline.saturating_duration_since(Instant::now())));
+            let r = self.conn(primary, addr).and_then(|c| {
+                f(
+                    &c,
+                    map.epoch,
+                    deadline.saturating_duration_since(Instant::now()),
+                )
+            });
             match r {
                 Ok(v) => return Ok(v),
                 Err(Error::Remote { status, message })
@@ -202,7 +230,14 @@ impl Client {
         self.op_flags(pool, name, sub, 0, 0)
     }
 
-    fn op_flags(&self, pool: u64, name: &[u8], sub: &[SubOp], flags: u32, upload: u64) -> Result<(u64, Vec<OpResult>)> {
+    fn op_flags(
+        &self,
+        pool: u64,
+        name: &[u8],
+        sub: &[SubOp],
+        flags: u32,
+        upload: u64,
+    ) -> Result<(u64, Vec<OpResult>)> {
         ops::check_name(name).map_err(|m| Error::remote(Status::Invalid, m))?;
         self.with_primary(pool, name, |c, epoch, left| {
             let msg = ClientOp {
@@ -232,18 +267,28 @@ impl Client {
         if data.len() as u64 > ops::OBJECT_BYTES_MAX {
             return Err(Error::remote(
                 Status::TooLarge,
-                format!("object of {} bytes; the maximum is {}", data.len(), ops::OBJECT_BYTES_MAX),
+                format!(
+                    "object of {} bytes; the maximum is {}",
+                    data.len(),
+                    ops::OBJECT_BYTES_MAX
+                ),
             ));
         }
         ops::check_name(name).map_err(|m| Error::remote(Status::Invalid, m))?;
         let split = data.len() - data.len() % ops::MESSAGE_DATA_BYTES_MAX.max(1);
-        let split = if split == data.len() { split - ops::MESSAGE_DATA_BYTES_MAX } else { split };
+        let split = if split == data.len() {
+            split - ops::MESSAGE_DATA_BYTES_MAX
+        } else {
+            split
+        };
         let (staged, tail) = data.split_at(split);
         self.with_primary(pool, name, |c, epoch, left| {
             let upload = self.next_upload.fetch_add(1, Relaxed);
             for (i, part) in staged.chunks(ops::MESSAGE_DATA_BYTES_MAX).enumerate() {
                 let mut e = Enc::new(epoch);
-                e.u64(upload).u64((i * ops::MESSAGE_DATA_BYTES_MAX) as u64).bytes(part);
+                e.u64(upload)
+                    .u64((i * ops::MESSAGE_DATA_BYTES_MAX) as u64)
+                    .bytes(part);
                 let reply = c.request(OutMessage::new(wire::MSG_CLIENT_STAGE, e.finish()), left)?;
                 wire::parse_reply(&reply.payload)?;
             }
@@ -286,7 +331,14 @@ impl Client {
             let mut raced = false;
             while at < end {
                 let n = (end - at).min(ops::MESSAGE_DATA_BYTES_MAX as u64);
-                match self.op(pool, name, &[SubOp::AssertVersion(st.version), SubOp::Read { offset: at, len: n }]) {
+                match self.op(
+                    pool,
+                    name,
+                    &[
+                        SubOp::AssertVersion(st.version),
+                        SubOp::Read { offset: at, len: n },
+                    ],
+                ) {
                     Ok((_, mut r)) => match r.pop() {
                         Some(OpResult::Data(d)) => out.extend_from_slice(&d),
                         other => return Err(Error::Malformed(format!("read returned {other:?}"))),
@@ -306,7 +358,10 @@ impl Client {
                 return Ok(out);
             }
         }
-        Err(Error::remote(Status::VersionMismatch, "object kept changing during a multi-part read"))
+        Err(Error::remote(
+            Status::VersionMismatch,
+            "object kept changing during a multi-part read",
+        ))
     }
 
     /// The whole object.
@@ -354,7 +409,10 @@ impl Client {
     pub fn list(&self, pool: u64) -> Result<Vec<(Vec<u8>, ObjStat)>> {
         let map = self.map();
         if !map.pools.contains_key(&pool) {
-            return Err(Error::remote(Status::NoSuchPool, format!("no pool with id {pool}")));
+            return Err(Error::remote(
+                Status::NoSuchPool,
+                format!("no pool with id {pool}"),
+            ));
         }
         let mut names = BTreeSet::new();
         for n in map.nodes.values().filter(|n| n.up) {
@@ -363,7 +421,10 @@ impl Client {
                 let c = self.conn(n.id, n.addr)?;
                 let mut e = Enc::new(map.epoch);
                 e.u64(pool).bytes(&after).u32(1000);
-                let reply = c.request(OutMessage::new(wire::MSG_CLIENT_LIST, e.finish()), self.timeout)?;
+                let reply = c.request(
+                    OutMessage::new(wire::MSG_CLIENT_LIST, e.finish()),
+                    self.timeout,
+                )?;
                 let (_, body) = wire::parse_reply(&reply.payload)?;
                 let mut d = Dec::new(body);
                 let count = d.u32()?;

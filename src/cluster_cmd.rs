@@ -64,7 +64,9 @@ pub struct LocalCluster {
 
 fn free_port() -> Result<u16> {
     let l = TcpListener::bind("127.0.0.1:0").map_err(|e| Error::io("bind a free port", e))?;
-    Ok(l.local_addr().map_err(|e| Error::io("local addr", e))?.port())
+    Ok(l.local_addr()
+        .map_err(|e| Error::io("local addr", e))?
+        .port())
 }
 
 fn random_uuid() -> String {
@@ -86,7 +88,8 @@ impl LocalCluster {
 
     /// Write configs for a new cluster (nothing is started).
     pub fn create(&self, o: &LocalOptions) -> Result<()> {
-        std::fs::create_dir_all(&self.dir).map_err(|e| Error::io(format!("{}", self.dir.display()), e))?;
+        std::fs::create_dir_all(&self.dir)
+            .map_err(|e| Error::io(format!("{}", self.dir.display()), e))?;
         let key = self.dir.join("cluster.key");
         Secret::generate().save(&key)?;
         let fsid = random_uuid();
@@ -142,7 +145,9 @@ impl LocalCluster {
 
     fn members(&self) -> Result<Vec<String>> {
         let mut out = Vec::new();
-        for e in std::fs::read_dir(&self.dir).map_err(|e| Error::io(format!("{}", self.dir.display()), e))? {
+        for e in std::fs::read_dir(&self.dir)
+            .map_err(|e| Error::io(format!("{}", self.dir.display()), e))?
+        {
             let e = e.map_err(|e| Error::io("readdir", e))?;
             let name = e.file_name().to_string_lossy().to_string();
             if e.path().is_dir() && (name.starts_with("mon.") || name.starts_with("node.")) {
@@ -150,7 +155,12 @@ impl LocalCluster {
             }
         }
         // Monitors first.
-        out.sort_by_key(|n| (n.starts_with("node."), n.split('.').nth(1).and_then(|i| i.parse::<u32>().ok())));
+        out.sort_by_key(|n| {
+            (
+                n.starts_with("node."),
+                n.split('.').nth(1).and_then(|i| i.parse::<u32>().ok()),
+            )
+        });
         Ok(out)
     }
 
@@ -174,8 +184,11 @@ impl LocalCluster {
         // SAFETY: kill with signal 0 only checks that the process exists.
         let exists = unsafe { libc::kill(pid, 0) } == 0;
         exists
-            && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .is_ok_and(|s| s.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')))
+            && !std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+                s.rsplit(')')
+                    .next()
+                    .is_some_and(|r| r.trim_start().starts_with('Z'))
+            })
     }
 
     /// Start one member ("mon.N" or "node.N") unless it is running.
@@ -199,7 +212,10 @@ impl LocalCluster {
         let child = Command::new(&self.exe)
             .args([what, "run", "--config"])
             .arg(self.dir.join(member).join(file))
-            .env("RUST_LOG", std::env::var("NVSTORE_DAEMON_LOG").unwrap_or_else(|_| "info".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("NVSTORE_DAEMON_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
@@ -244,7 +260,11 @@ impl LocalCluster {
                 std::thread::sleep(Duration::from_millis(100));
             }
         }
-        let nodes = self.members()?.iter().filter(|m| m.starts_with("node.")).count();
+        let nodes = self
+            .members()?
+            .iter()
+            .filter(|m| m.starts_with("node."))
+            .count();
         let deadline = Instant::now() + UP_WAIT;
         let client = loop {
             match Client::from_config(&self.client_config()) {
@@ -267,7 +287,10 @@ impl LocalCluster {
             }
             if Instant::now() > deadline {
                 return Err(Error::Timeout {
-                    what: format!("{up} of {nodes} nodes up (see {}/node.*.log)", self.dir.display()),
+                    what: format!(
+                        "{up} of {nodes} nodes up (see {}/node.*.log)",
+                        self.dir.display()
+                    ),
                     secs: UP_WAIT.as_secs_f64(),
                 });
             }
@@ -400,8 +423,18 @@ pub fn run_cluster(cmd: ClusterCommand) -> CliResult {
             let client = lc.up()?;
             if fresh && !pool.is_empty() {
                 let k = nodes.saturating_sub(2).clamp(1, 6);
-                client.create_pool(&pool, k, 2.min(nodes.saturating_sub(k)).max(1), 64 << 10, crate::map::PG_NUM_DEFAULT, None)?;
-                println!("created pool {pool:?} (EC {k}+{})", 2.min(nodes.saturating_sub(k)).max(1));
+                client.create_pool(
+                    &pool,
+                    k,
+                    2.min(nodes.saturating_sub(k)).max(1),
+                    64 << 10,
+                    crate::map::PG_NUM_DEFAULT,
+                    None,
+                )?;
+                println!(
+                    "created pool {pool:?} (EC {k}+{})",
+                    2.min(nodes.saturating_sub(k)).max(1)
+                );
             }
             let m = client.map();
             println!(
@@ -481,8 +514,15 @@ fn human(b: f64) -> String {
 /// `nvstore status` as text.
 pub fn render_status(s: &crate::monitor::StatusReport) -> String {
     let mut o = String::new();
-    let mons: Vec<String> = s.monitors.iter().map(|(id, a, r)| format!("mon.{id} {a} ({r})")).collect();
-    o += &format!("  cluster:\n    id:     {}\n    health: {}\n", s.fsid, s.health);
+    let mons: Vec<String> = s
+        .monitors
+        .iter()
+        .map(|(id, a, r)| format!("mon.{id} {a} ({r})"))
+        .collect();
+    o += &format!(
+        "  cluster:\n    id:     {}\n    health: {}\n",
+        s.fsid, s.health
+    );
     for d in &s.health_detail {
         o += &format!("            {d}\n");
     }
@@ -504,8 +544,16 @@ pub fn render_status(s: &crate::monitor::StatusReport) -> String {
         human(s.capacity_bytes as f64)
     );
     o += "    pgs:    ";
-    let states: Vec<String> = s.pg_states.iter().map(|(k, v)| format!("{v} {k}")).collect();
-    o += &(if states.is_empty() { "none".to_string() } else { states.join(", ") });
+    let states: Vec<String> = s
+        .pg_states
+        .iter()
+        .map(|(k, v)| format!("{v} {k}"))
+        .collect();
+    o += &(if states.is_empty() {
+        "none".to_string()
+    } else {
+        states.join(", ")
+    });
     o += "\n";
     o += &format!(
         "\n  io:\n    client: {}/s rd, {}/s wr, {:.0} op/s rd, {:.0} op/s wr\n",
@@ -525,7 +573,11 @@ pub fn run_status(conf: &Path, json: bool) -> CliResult {
     } else {
         print!("{}", render_status(&s));
     }
-    Ok(if s.health == "HEALTH_ERR" { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+    Ok(if s.health == "HEALTH_ERR" {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 #[derive(Debug, Args)]
@@ -571,7 +623,10 @@ pub fn run_obj(cmd: &str, a: ObjArgs) -> CliResult {
         }
         "stat" => {
             let s = c.stat(pool, name)?;
-            println!("{}/{} size {} version {} mtime_ns {}", a.pool, a.name, s.size, s.version, s.mtime_unix_ns);
+            println!(
+                "{}/{} size {} version {} mtime_ns {}",
+                a.pool, a.name, s.size, s.version, s.mtime_unix_ns
+            );
         }
         _ => {
             let v = c.remove(pool, name)?;
@@ -585,7 +640,12 @@ pub fn run_ls(a: LsArgs) -> CliResult {
     let c = Client::from_config(&a.conf.conf)?;
     let pool = c.pool_id(&a.pool)?;
     for (name, s) in c.list(pool)? {
-        println!("{}\t{}\tv{}", String::from_utf8_lossy(&name), s.size, s.version);
+        println!(
+            "{}\t{}\tv{}",
+            String::from_utf8_lossy(&name),
+            s.size,
+            s.version
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

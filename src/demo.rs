@@ -79,7 +79,10 @@ pub fn run(a: DemoArgs) -> DemoResult {
     }
     match r {
         Ok(0) => {
-            println!("\nOK: every read returned the bytes written ({:.1} s)", t0.elapsed().as_secs_f64());
+            println!(
+                "\nOK: every read returned the bytes written ({:.1} s)",
+                t0.elapsed().as_secs_f64()
+            );
             Ok(ExitCode::SUCCESS)
         }
         Ok(bad) => {
@@ -93,7 +96,12 @@ pub fn run(a: DemoArgs) -> DemoResult {
     }
 }
 
-fn verify(c: &Client, pool: u64, objs: &[(String, Vec<u8>)], down: &[u32]) -> Result<usize, Box<dyn std::error::Error>> {
+fn verify(
+    c: &Client,
+    pool: u64,
+    objs: &[(String, Vec<u8>)],
+    down: &[u32],
+) -> Result<usize, Box<dyn std::error::Error>> {
     let map = c.map();
     let p = &map.pools[&pool];
     let mut bad = 0;
@@ -128,7 +136,10 @@ fn verify(c: &Client, pool: u64, objs: &[(String, Vec<u8>)], down: &[u32]) -> Re
 }
 
 fn demo(lc: &LocalCluster, a: &DemoArgs) -> Result<usize, Box<dyn std::error::Error>> {
-    step(1, "start a monitor and 8 storage nodes (separate processes, loopback, file devices)");
+    step(
+        1,
+        "start a monitor and 8 storage nodes (separate processes, loopback, file devices)",
+    );
     println!("   directory {}", lc.dir.display());
     lc.create(&LocalOptions {
         nodes: 8,
@@ -150,7 +161,10 @@ fn demo(lc: &LocalCluster, a: &DemoArgs) -> Result<usize, Box<dyn std::error::Er
         m.epoch
     );
 
-    step(2, "write objects of several sizes, erasure coded across the 8 nodes");
+    step(
+        2,
+        "write objects of several sizes, erasure coded across the 8 nodes",
+    );
     let mut objs = Vec::new();
     for (i, (name, len)) in SIZES.iter().enumerate() {
         let data = content(i, *len);
@@ -190,10 +204,16 @@ fn demo(lc: &LocalCluster, a: &DemoArgs) -> Result<usize, Box<dyn std::error::Er
     let s = c.status()?;
     println!("   health: {} — {}", s.health, s.health_detail.join("; "));
 
-    step(4, "read everything back degraded: missing data shards are decoded from the others");
+    step(
+        4,
+        "read everything back degraded: missing data shards are decoded from the others",
+    );
     bad += verify(&c, pool, &objs, &victims)?;
 
-    step(5, "a write now has 6 of 8 shards, below min_size 7: it is refused, not stored thinly");
+    step(
+        5,
+        "a write now has 6 of 8 shards, below min_size 7: it is refused, not stored thinly",
+    );
     let t = Instant::now();
     match c.put(pool, b"refused", b"not enough redundancy") {
         Ok(v) => println!("   unexpected: write acknowledged at version {v}"),
@@ -223,14 +243,21 @@ fn demo(lc: &LocalCluster, a: &DemoArgs) -> Result<usize, Box<dyn std::error::Er
     );
     if s.health != "HEALTH_OK" {
         bad += 1;
-        println!("   BAD: health is {} — {}", s.health, s.health_detail.join("; "));
+        println!(
+            "   BAD: health is {} — {}",
+            s.health,
+            s.health_detail.join("; ")
+        );
     }
 
     step(7, "verify every object once more, and write again");
     bad += verify(&c, pool, &objs, &[])?;
     let v = c.put(pool, b"after-heal", b"writes work again")?;
     let ok = c.get(pool, b"after-heal")? == b"writes work again";
-    println!("   put+get after-heal: version {v:#x} {}", if ok { "ok" } else { "BAD" });
+    println!(
+        "   put+get after-heal: version {v:#x} {}",
+        if ok { "ok" } else { "BAD" }
+    );
     if !ok {
         bad += 1;
     }

@@ -10,12 +10,12 @@ pub mod wire;
 
 pub use client::Client;
 pub use error::{Error, Result};
-pub mod config;
-pub mod monitor;
-pub mod monclient;
-pub mod ops;
-pub mod node;
+pub mod bench_cluster;
 pub mod client;
 pub mod cluster_cmd;
+pub mod config;
 pub mod demo;
-pub mod bench_cluster;
+pub mod monclient;
+pub mod monitor;
+pub mod node;
+pub mod ops;

@@ -75,9 +75,9 @@ impl MonClient {
             let i = *self.cur.lock().unwrap();
             let mut e = Enc::new(self.epoch());
             e.0.extend_from_slice(body);
-            let r = self
-                .conn(i)
-                .and_then(|c| Ok(c.request(OutMessage::new(msg_type, e.finish()), MON_REQUEST_TIMEOUT)?));
+            let r = self.conn(i).and_then(|c| {
+                Ok(c.request(OutMessage::new(msg_type, e.finish()), MON_REQUEST_TIMEOUT)?)
+            });
             match r {
                 Ok(reply) => return Ok(reply.payload.to_vec()),
                 Err(err) => {
@@ -143,7 +143,8 @@ impl MonClient {
         e.u64(0);
         let reply = self.request_raw_epoch(wire::MSG_MON_GET_MAP, 0)?;
         let (_, body) = wire::parse_reply(&reply)?;
-        let r: MapReply = serde_json::from_slice(body).map_err(|e| Error::Malformed(e.to_string()))?;
+        let r: MapReply =
+            serde_json::from_slice(body).map_err(|e| Error::Malformed(e.to_string()))?;
         self.apply(r);
         Ok(())
     }
@@ -162,7 +163,8 @@ impl MonClient {
     pub fn subscribe(&self) -> Result<u64> {
         let reply = self.request(wire::MSG_MON_SUBSCRIBE, &[])?;
         let (_, body) = wire::parse_reply(&reply)?;
-        let r: MapReply = serde_json::from_slice(body).map_err(|e| Error::Malformed(e.to_string()))?;
+        let r: MapReply =
+            serde_json::from_slice(body).map_err(|e| Error::Malformed(e.to_string()))?;
         if !self.apply(r) {
             self.fetch_full()?;
         }
@@ -211,7 +213,8 @@ impl MonClient {
         while Instant::now() < deadline {
             match self.request(wire::MSG_MON_COMMAND, &body).and_then(|r| {
                 let (_, b) = wire::parse_reply(&r)?;
-                serde_json::from_slice::<MonResponse>(b).map_err(|e| Error::Malformed(e.to_string()))
+                serde_json::from_slice::<MonResponse>(b)
+                    .map_err(|e| Error::Malformed(e.to_string()))
             }) {
                 Ok(r) => {
                     if r.ok {

@@ -211,7 +211,7 @@ mod tests {
     fn members_are_distinct_hosts_and_deterministic() {
         let m = map_of(
             (1..=16)
-                .map(|i| node(i, &format!("h{}", (i + 1) / 2)))
+                .map(|i| node(i, &format!("h{}", i.div_ceil(2))))
                 .collect(),
         );
         let p = pool(256);
@@ -259,7 +259,10 @@ mod tests {
         }
         assert!(moved > 0);
         // Node 5 held about 8/12 of the PGs' slots: each PG has 8 of 12 hosts.
-        assert!((moved as f64 / p.pg_num as f64 - 8.0 / 12.0).abs() < 0.1, "{moved}");
+        assert!(
+            (moved as f64 / p.pg_num as f64 - 8.0 / 12.0).abs() < 0.1,
+            "{moved}"
+        );
     }
 
     #[test]
@@ -329,8 +332,9 @@ mod tests {
         // Pinned: a change here remaps every object of every existing cluster.
         let p = pool(64);
         assert_eq!(pg_of(&p, b"hello"), pg_of(&p, b"hello"));
-        let spread: std::collections::BTreeSet<u32> =
-            (0..1000).map(|i| pg_of(&p, format!("o{i}").as_bytes())).collect();
+        let spread: std::collections::BTreeSet<u32> = (0..1000)
+            .map(|i| pg_of(&p, format!("o{i}").as_bytes()))
+            .collect();
         assert_eq!(spread.len(), 64);
     }
 }

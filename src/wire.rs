@@ -199,7 +199,8 @@ impl<'a> Dec<'a> {
         self.take(n)
     }
     pub fn str(&mut self) -> Result<&'a str> {
-        std::str::from_utf8(self.bytes()?).map_err(|_| Error::Malformed("string is not UTF-8".into()))
+        std::str::from_utf8(self.bytes()?)
+            .map_err(|_| Error::Malformed("string is not UTF-8".into()))
     }
     /// Offset of the next unread byte.
     pub fn pos(&self) -> usize {

@@ -28,7 +28,10 @@ impl Drop for Harness {
 }
 
 fn cluster(nodes: u32, monitors: u32, o: LocalOptions) -> Harness {
-    let dir = tempfile::Builder::new().prefix("nvstore-test-").tempdir().unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("nvstore-test-")
+        .tempdir()
+        .unwrap();
     let lc = LocalCluster::new(dir.path(), Path::new(env!("CARGO_BIN_EXE_nvstore")));
     lc.create(&LocalOptions {
         nodes,
@@ -67,7 +70,10 @@ fn status_of(e: &Error) -> Option<Status> {
 fn wait_down(c: &Client, ids: &[u32]) {
     let t = Instant::now();
     while ids.iter().any(|i| c.map().nodes[i].up) {
-        assert!(t.elapsed() < Duration::from_secs(60), "nodes {ids:?} never marked down");
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "nodes {ids:?} never marked down"
+        );
         let _ = c.refresh_map();
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -86,7 +92,10 @@ fn objects_of_every_size_ranges_overwrites_xattrs_and_compound_ops() {
         let v = c.put(pool, name.as_bytes(), &data).unwrap();
         let st = c.stat(pool, name.as_bytes()).unwrap();
         assert_eq!((st.size, st.version), (n as u64, v), "{name}");
-        assert!(c.get(pool, name.as_bytes()).unwrap() == data, "{name} reads back");
+        assert!(
+            c.get(pool, name.as_bytes()).unwrap() == data,
+            "{name} reads back"
+        );
     }
     // Random range reads (seeded).
     let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
@@ -109,10 +118,10 @@ fn objects_of_every_size_ranges_overwrites_xattrs_and_compound_ops() {
     let unit = 64 << 10;
     let writes: Vec<(usize, usize)> = vec![
         (0, 100),
-        (6 * unit - 3, 10),            // across a stripe boundary
-        (unit * 2 + 5, 3 * unit),      // several units
-        (model.len() - 1, 5),          // grows the object
-        (model.len() + 200_000, 17),   // leaves a zero gap
+        (6 * unit - 3, 10),          // across a stripe boundary
+        (unit * 2 + 5, 3 * unit),    // several units
+        (model.len() - 1, 5),        // grows the object
+        (model.len() + 200_000, 17), // leaves a zero gap
     ];
     for (k, (off, len)) in writes.into_iter().enumerate() {
         let d = bytes(1000 + k as u64, len);
@@ -121,7 +130,10 @@ fn objects_of_every_size_ranges_overwrites_xattrs_and_compound_ops() {
             model.resize(off + len, 0);
         }
         model[off..off + len].copy_from_slice(&d);
-        assert!(c.get(pool, name).unwrap() == model, "after overwrite {k} at {off}");
+        assert!(
+            c.get(pool, name).unwrap() == model,
+            "after overwrite {k} at {off}"
+        );
     }
     c.append(pool, name, b"tail").unwrap();
     model.extend_from_slice(b"tail");
@@ -134,7 +146,10 @@ fn objects_of_every_size_ranges_overwrites_xattrs_and_compound_ops() {
     c.set_xattr(pool, name, "size", b"L").unwrap();
     assert_eq!(c.get_xattr(pool, name, "color").unwrap(), b"blue");
     c.rm_xattr(pool, name, "size").unwrap();
-    assert_eq!(c.xattrs(pool, name).unwrap(), vec![("color".to_string(), b"blue".to_vec())]);
+    assert_eq!(
+        c.xattrs(pool, name).unwrap(),
+        vec![("color".to_string(), b"blue".to_vec())]
+    );
     let e = c.get_xattr(pool, name, "size").unwrap_err();
     assert_eq!(status_of(&e), Some(Status::NoXattr), "{e}");
     // Xattrs survive a write_full and data survives xattr updates.
@@ -143,22 +158,46 @@ fn objects_of_every_size_ranges_overwrites_xattrs_and_compound_ops() {
     // Compound: assert-version + read + stat, atomically.
     let v = c.stat(pool, name).unwrap().version;
     let (v2, r) = c
-        .op(pool, name, &[SubOp::AssertVersion(v), SubOp::Read { offset: 1, len: 2 }, SubOp::Stat])
+        .op(
+            pool,
+            name,
+            &[
+                SubOp::AssertVersion(v),
+                SubOp::Read { offset: 1, len: 2 },
+                SubOp::Stat,
+            ],
+        )
         .unwrap();
     assert_eq!(v2, v);
     assert_eq!(r[0], OpResult::Data(b"ew".to_vec()));
     assert!(matches!(r[1], OpResult::Stat(s) if s.size == 3 && s.version == v));
     let e = c
-        .op(pool, name, &[SubOp::AssertVersion(v + 1), SubOp::WriteFull(b"no")])
+        .op(
+            pool,
+            name,
+            &[SubOp::AssertVersion(v + 1), SubOp::WriteFull(b"no")],
+        )
         .unwrap_err();
     assert_eq!(status_of(&e), Some(Status::VersionMismatch), "{e}");
-    assert_eq!(c.get(pool, name).unwrap(), b"new", "a failed compound op changes nothing");
-    let e = c.op(pool, b"absent", &[SubOp::AssertExists, SubOp::Stat]).unwrap_err();
+    assert_eq!(
+        c.get(pool, name).unwrap(),
+        b"new",
+        "a failed compound op changes nothing"
+    );
+    let e = c
+        .op(pool, b"absent", &[SubOp::AssertExists, SubOp::Stat])
+        .unwrap_err();
     assert_eq!(status_of(&e), Some(Status::NotFound));
     // Remove, then list.
     c.remove(pool, b"sparse").unwrap();
-    assert_eq!(status_of(&c.stat(pool, b"sparse").unwrap_err()), Some(Status::NotFound));
-    assert_eq!(status_of(&c.remove(pool, b"sparse").unwrap_err()), Some(Status::NotFound));
+    assert_eq!(
+        status_of(&c.stat(pool, b"sparse").unwrap_err()),
+        Some(Status::NotFound)
+    );
+    assert_eq!(
+        status_of(&c.remove(pool, b"sparse").unwrap_err()),
+        Some(Status::NotFound)
+    );
     let names: Vec<String> = c
         .list(pool)
         .unwrap()
@@ -187,11 +226,17 @@ fn concurrent_writers_on_one_object_see_one_linear_history() {
                 let mut done = 0;
                 while done < per {
                     // Read-modify-write with compare-and-swap on the version.
-                    let (v, r) = c.op(pool, b"counter", &[SubOp::Read { offset: 0, len: 64 }]).unwrap();
+                    let (v, r) = c
+                        .op(pool, b"counter", &[SubOp::Read { offset: 0, len: 64 }])
+                        .unwrap();
                     let OpResult::Data(d) = &r[0] else { panic!() };
                     let n: u64 = std::str::from_utf8(d).unwrap().parse().unwrap();
                     let next = (n + 1).to_string();
-                    match c.op(pool, b"counter", &[SubOp::AssertVersion(v), SubOp::WriteFull(next.as_bytes())]) {
+                    match c.op(
+                        pool,
+                        b"counter",
+                        &[SubOp::AssertVersion(v), SubOp::WriteFull(next.as_bytes())],
+                    ) {
                         Ok((nv, _)) => {
                             assert!(nv > v);
                             acked.lock().unwrap().push((nv, n + 1));
@@ -209,7 +254,10 @@ fn concurrent_writers_on_one_object_see_one_linear_history() {
     for (i, (_, n)) in acked.iter().enumerate() {
         assert_eq!(*n, i as u64 + 1, "history {acked:?}");
     }
-    let final_v: u64 = String::from_utf8(c.get(pool, b"counter").unwrap()).unwrap().parse().unwrap();
+    let final_v: u64 = String::from_utf8(c.get(pool, b"counter").unwrap())
+        .unwrap()
+        .parse()
+        .unwrap();
     assert_eq!(final_v, (threads * per) as u64);
     // Blind concurrent write_fulls: the last version's content wins.
     let results: Mutex<Vec<(u64, Vec<u8>)>> = Mutex::new(Vec::new());
@@ -227,7 +275,9 @@ fn concurrent_writers_on_one_object_see_one_linear_history() {
     });
     let mut results = results.into_inner().unwrap();
     results.sort_by_key(|r| r.0);
-    results.windows(2).for_each(|w| assert!(w[0].0 < w[1].0, "versions are unique"));
+    results
+        .windows(2)
+        .for_each(|w| assert!(w[0].0 < w[1].0, "versions are unique"));
     assert!(c.get(pool, b"blind").unwrap() == results.last().unwrap().1);
 }
 
@@ -280,13 +330,21 @@ fn kill_two_nodes_mid_workload_every_acknowledged_write_reads_back() {
         [4096usize, 70_000, 400_000, 1][(i % 4) as usize]
     };
     for (name, seed) in &acked {
-        let got = c.get(pool, name.as_bytes()).unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert!(got == bytes(*seed, len_of(name)), "{name} reads back intact (degraded)");
+        let got = c
+            .get(pool, name.as_bytes())
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(
+            got == bytes(*seed, len_of(name)),
+            "{name} reads back intact (degraded)"
+        );
     }
     let mut invisible = 0;
     for (name, seed) in &failed {
         match c.get(pool, name.as_bytes()) {
-            Ok(got) => assert!(got == bytes(*seed, len_of(name)), "{name}: an unacknowledged write is all or nothing"),
+            Ok(got) => assert!(
+                got == bytes(*seed, len_of(name)),
+                "{name}: an unacknowledged write is all or nothing"
+            ),
             Err(e) => {
                 assert!(
                     matches!(status_of(&e), Some(Status::NotFound | Status::Unavailable)),
@@ -296,11 +354,16 @@ fn kill_two_nodes_mid_workload_every_acknowledged_write_reads_back() {
             }
         }
     }
-    eprintln!("{} acknowledged, {} failed ({invisible} invisible)", acked.len(), failed.len());
+    eprintln!(
+        "{} acknowledged, {} failed ({invisible} invisible)",
+        acked.len(),
+        failed.len()
+    );
     // The nodes come back; everything still reads.
     h.lc.start_member("node.2").unwrap();
     h.lc.start_member("node.5").unwrap();
-    h.lc.wait_nodes_up(c, 8, Instant::now() + Duration::from_secs(60)).unwrap();
+    h.lc.wait_nodes_up(c, 8, Instant::now() + Duration::from_secs(60))
+        .unwrap();
     for (name, seed) in acked.iter().step_by(5) {
         assert!(c.get(pool, name.as_bytes()).unwrap() == bytes(*seed, len_of(name)));
     }
@@ -323,12 +386,20 @@ fn bad_input_gets_clear_errors_and_the_node_keeps_serving() {
     assert_eq!(status_of(&e), Some(Status::Invalid), "{e}");
     // Raw requests straight to a node, bypassing the client's checks.
     let secret = Secret::load(&h.lc.dir.join("cluster.key")).unwrap();
-    let m = Messenger::new(messenger::Config::default(), Identity::Client(4242), secret, Arc::new(Nothing)).unwrap();
+    let m = Messenger::new(
+        messenger::Config::default(),
+        Identity::Client(4242),
+        secret,
+        Arc::new(Nothing),
+    )
+    .unwrap();
     let map = c.map();
     let node = &map.nodes[&1];
     let conn = m.connect(node.addr, Identity::Node(1)).unwrap();
     let ask = |t: u16, payload: Vec<u8>| -> (Status, String) {
-        let r = conn.request(OutMessage::new(t, payload), Duration::from_secs(10)).unwrap();
+        let r = conn
+            .request(OutMessage::new(t, payload), Duration::from_secs(10))
+            .unwrap();
         match wire::parse_reply(&r.payload) {
             Ok(_) => (Status::Ok, String::new()),
             Err(Error::Remote { status, message }) => (status, message),
@@ -337,10 +408,21 @@ fn bad_input_gets_clear_errors_and_the_node_keeps_serving() {
     };
     let long_name = vec![b'a'; 5000];
     let op = |name: &[u8], pool: u64| {
-        ClientOp { epoch: map.epoch, pool, name, flags: 0, upload_id: 0, ops: vec![SubOp::Stat] }.encode()
+        ClientOp {
+            epoch: map.epoch,
+            pool,
+            name,
+            flags: 0,
+            upload_id: 0,
+            ops: vec![SubOp::Stat],
+        }
+        .encode()
     };
     let (s, msg) = ask(wire::MSG_CLIENT_OP, op(&long_name, pool));
-    assert!(matches!(s, Status::Invalid | Status::WrongPrimary), "{s}: {msg}");
+    assert!(
+        matches!(s, Status::Invalid | Status::WrongPrimary),
+        "{s}: {msg}"
+    );
     let (s, msg) = ask(wire::MSG_CLIENT_OP, op(b"x", 12345));
     assert_eq!(s, Status::NoSuchPool, "{msg}");
     let (s, msg) = ask(wire::MSG_CLIENT_OP, vec![1, 2, 3]);
@@ -348,14 +430,24 @@ fn bad_input_gets_clear_errors_and_the_node_keeps_serving() {
     let mut bad = op(b"x", pool);
     bad.truncate(bad.len() - 1);
     let (s, msg) = ask(wire::MSG_CLIENT_OP, bad);
-    assert!(matches!(s, Status::Malformed | Status::WrongPrimary), "{s}: {msg}");
+    assert!(
+        matches!(s, Status::Malformed | Status::WrongPrimary),
+        "{s}: {msg}"
+    );
     let mut junk = op(b"x", pool);
     let at = junk.len() - 1;
     junk[at] = 250; // unknown sub-op code
     let (s, msg) = ask(wire::MSG_CLIENT_OP, junk);
-    assert!(matches!(s, Status::Malformed | Status::WrongPrimary), "{s}: {msg}");
+    assert!(
+        matches!(s, Status::Malformed | Status::WrongPrimary),
+        "{s}: {msg}"
+    );
     let (s, msg) = ask(wire::MSG_SHARD_WRITE, vec![0; 64]);
-    assert_eq!(s, Status::Invalid, "shard ops are refused from clients: {msg}");
+    assert_eq!(
+        s,
+        Status::Invalid,
+        "shard ops are refused from clients: {msg}"
+    );
     let (s, msg) = ask(777, vec![]);
     assert_eq!(s, Status::Malformed, "{msg}");
     // The node still serves.
@@ -368,7 +460,14 @@ fn bad_input_gets_clear_errors_and_the_node_keeps_serving() {
 #[test]
 fn three_monitors_keep_the_map_served_and_writable_when_the_leader_dies() {
     let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let h = cluster(4, 3, LocalOptions { down_grace_ms: 2000, ..LocalOptions::default() });
+    let h = cluster(
+        4,
+        3,
+        LocalOptions {
+            down_grace_ms: 2000,
+            ..LocalOptions::default()
+        },
+    );
     let c = &h.client;
     let pool = c.create_pool("t", 2, 1, 64 << 10, 8, None).unwrap();
     c.put(pool, b"before", b"1").unwrap();

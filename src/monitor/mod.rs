@@ -101,9 +101,8 @@ impl Dispatcher for MonDispatcher {
         let t = msg.msg_type();
         let reply = mon.handle(&msg);
         if msg.is_request() {
-            let body = reply.unwrap_or_else(|e| {
-                wire::reply_err(mon.epoch(), e.status(), &e.message())
-            });
+            let body =
+                reply.unwrap_or_else(|e| wire::reply_err(mon.epoch(), e.status(), &e.message()));
             let _ = msg.reply(OutMessage::new(wire::MSG_REPLY, body));
         } else if let Err(e) = reply {
             warn!("monitor: one-way message type {t} from {}: {e}", msg.peer());
@@ -117,7 +116,9 @@ impl Monitor {
     }
 
     fn raft(&self) -> &Raft {
-        self.raft.get().expect("raft started before messages are served")
+        self.raft
+            .get()
+            .expect("raft started before messages are served")
     }
 
     fn is_leader(&self) -> bool {
@@ -179,7 +180,9 @@ impl Monitor {
                 Ok(vec![])
             }
             wire::MSG_MON_STATUS => json(&self.status()),
-            t => Err(Error::Malformed(format!("unknown monitor message type {t}"))),
+            t => Err(Error::Malformed(format!(
+                "unknown monitor message type {t}"
+            ))),
         }
     }
 
@@ -207,8 +210,7 @@ impl Monitor {
                     write_ops_s: stats.write_ops.saturating_sub(prev.stats.write_ops) as f64 / dt,
                     read_bytes_s: stats.read_bytes.saturating_sub(prev.stats.read_bytes) as f64
                         / dt,
-                    write_bytes_s: stats.write_bytes.saturating_sub(prev.stats.write_bytes)
-                        as f64
+                    write_bytes_s: stats.write_bytes.saturating_sub(prev.stats.write_bytes) as f64
                         / dt,
                 }
             }
@@ -287,14 +289,20 @@ impl Monitor {
                 }
             }
             if !down.is_empty() {
-                info!("monitor: marking down {down:?} (no heartbeat for {:?})", self.cfg.down_grace());
+                info!(
+                    "monitor: marking down {down:?} (no heartbeat for {:?})",
+                    self.cfg.down_grace()
+                );
                 let _ = self.command(MonCommand::MarkDown(down));
             }
             for id in up {
                 let _ = self.command(MonCommand::MarkUp(id));
             }
             if !out.is_empty() {
-                info!("monitor: marking out {out:?} (down for {:?})", self.cfg.out_grace());
+                info!(
+                    "monitor: marking out {out:?} (down for {:?})",
+                    self.cfg.out_grace()
+                );
                 let _ = self.command(MonCommand::MarkOut(out));
             }
         }
@@ -320,7 +328,9 @@ impl Monitor {
                 };
                 let mut e = Enc::new(epoch);
                 e.0.extend_from_slice(&serde_json::to_vec(&reply).expect("map serializes"));
-                if c.send_oneway(OutMessage::new(wire::MSG_MON_MAP_PUSH, e.finish())).is_ok() {
+                if c.send_oneway(OutMessage::new(wire::MSG_MON_MAP_PUSH, e.finish()))
+                    .is_ok()
+                {
                     *have = epoch;
                 }
             }
@@ -496,7 +506,13 @@ pub fn start(cfg: MonitorConfig) -> Result<Arc<Monitor>> {
     };
     let raft = mon
         .rt
-        .block_on(Raft::new(cfg.id as u64, Arc::new(raft_cfg), net, log_store, sm))
+        .block_on(Raft::new(
+            cfg.id as u64,
+            Arc::new(raft_cfg),
+            net,
+            log_store,
+            sm,
+        ))
         .map_err(|e| Error::Monitor(e.to_string()))?;
     let _ = mon.raft.set(raft);
     let _ = disp.0.set(mon.clone());
@@ -506,7 +522,14 @@ pub fn start(cfg: MonitorConfig) -> Result<Arc<Monitor>> {
             .monitors
             .iter()
             .enumerate()
-            .map(|(i, a)| (i as u64 + 1, BasicNode { addr: a.to_string() }))
+            .map(|(i, a)| {
+                (
+                    i as u64 + 1,
+                    BasicNode {
+                        addr: a.to_string(),
+                    },
+                )
+            })
             .collect();
         mon.rt
             .block_on(mon.raft().initialize(members))

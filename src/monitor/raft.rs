@@ -175,14 +175,14 @@ impl MonState {
                 ec::Profile::new(*k as usize, *parity as usize, *stripe_unit as usize)
                     .map_err(|e| e.to_string())?;
                 if *pg_num == 0 || *pg_num > crate::map::PG_NUM_MAX {
-                    return Err(format!(
-                        "pg_num {pg_num}: 1..={}",
-                        crate::map::PG_NUM_MAX
-                    ));
+                    return Err(format!("pg_num {pg_num}: 1..={}", crate::map::PG_NUM_MAX));
                 }
                 let min_size = min_size.unwrap_or((k + 1).min(k + parity));
                 if min_size < *k || min_size > k + parity {
-                    return Err(format!("min_size {min_size}: k..=k+m ({k}..={})", k + parity));
+                    return Err(format!(
+                        "min_size {min_size}: k..=k+m ({k}..={})",
+                        k + parity
+                    ));
                 }
                 let id = m.pools.keys().next_back().map_or(1, |i| i + 1);
                 vec![Change::PoolCreate(PoolInfo {
@@ -263,7 +263,11 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 
 impl MonStore {
     /// Open (or create) the monitor's raft state in `dir`.
-    pub fn open(dir: &Path, fsid: &str, changed: crossbeam::channel::Sender<u64>) -> std::io::Result<MonStore> {
+    pub fn open(
+        dir: &Path,
+        fsid: &str,
+        changed: crossbeam::channel::Sender<u64>,
+    ) -> std::io::Result<MonStore> {
         std::fs::create_dir_all(dir)?;
         let read = |name: &str| std::fs::read(dir.join(name)).ok();
         let vote = read("vote.json")
@@ -386,11 +390,7 @@ impl RaftSnapshotBuilder<TypeConfig> for MonStore {
         let meta = SnapshotMeta {
             last_log_id: last,
             last_membership: membership,
-            snapshot_id: format!(
-                "{}-{}",
-                last.map_or(0, |l| l.index),
-                i.snapshot_seq
-            ),
+            snapshot_id: format!("{}-{}", last.map_or(0, |l| l.index), i.snapshot_seq),
         };
         let stored = StoredSnapshot {
             meta: meta.clone(),
@@ -415,7 +415,8 @@ impl RaftStorage<TypeConfig> for MonStore {
     async fn save_vote(&mut self, vote: &Vote<u64>) -> Result<(), SErr> {
         let mut i = self.inner.lock().unwrap();
         let bytes = serde_json::to_vec(vote).map_err(|e| StorageIOError::write_vote(&e))?;
-        write_atomic(&i.dir.join("vote.json"), &bytes).map_err(|e| StorageIOError::write_vote(&e))?;
+        write_atomic(&i.dir.join("vote.json"), &bytes)
+            .map_err(|e| StorageIOError::write_vote(&e))?;
         i.vote = Some(*vote);
         Ok(())
     }
@@ -427,7 +428,8 @@ impl RaftStorage<TypeConfig> for MonStore {
     async fn save_committed(&mut self, committed: Option<LogId<u64>>) -> Result<(), SErr> {
         let mut i = self.inner.lock().unwrap();
         let bytes = serde_json::to_vec(&committed).map_err(|e| StorageIOError::write(&e))?;
-        write_atomic(&i.dir.join("committed.json"), &bytes).map_err(|e| StorageIOError::write(&e))?;
+        write_atomic(&i.dir.join("committed.json"), &bytes)
+            .map_err(|e| StorageIOError::write(&e))?;
         i.committed = committed;
         Ok(())
     }
@@ -438,7 +440,12 @@ impl RaftStorage<TypeConfig> for MonStore {
 
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, SErr> {
         let i = self.inner.lock().unwrap();
-        let last = i.log.values().next_back().map(|e| e.log_id).or(i.last_purged);
+        let last = i
+            .log
+            .values()
+            .next_back()
+            .map(|e| e.log_id)
+            .or(i.last_purged);
         Ok(LogState {
             last_purged_log_id: i.last_purged,
             last_log_id: last,
@@ -455,7 +462,8 @@ impl RaftStorage<TypeConfig> for MonStore {
     {
         let mut i = self.inner.lock().unwrap();
         let lines: Vec<LogLine> = entries.into_iter().map(LogLine::Entry).collect();
-        i.append_lines(&lines).map_err(|e| StorageIOError::write_logs(&e))?;
+        i.append_lines(&lines)
+            .map_err(|e| StorageIOError::write_logs(&e))?;
         for l in lines {
             if let LogLine::Entry(e) = l {
                 i.log.insert(e.log_id.index, e);
@@ -617,7 +625,8 @@ impl Peer {
         }
         let conn = self.conn.as_ref().unwrap();
         let mut body = wire::Enc::new(0);
-        body.0.extend_from_slice(&serde_json::to_vec(req).map_err(|e| net(&e))?);
+        body.0
+            .extend_from_slice(&serde_json::to_vec(req).map_err(|e| net(&e))?);
         let (tx, rx) = tokio::sync::oneshot::channel();
         conn.request_with(
             OutMessage::new(msg_type, body.finish()),

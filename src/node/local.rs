@@ -365,6 +365,7 @@ impl Local {
     }
 
     /// Read `len` bytes at `offset` of the shard, if it is at `version`.
+    #[allow(clippy::too_many_arguments)]
     pub fn read(
         &self,
         pool: u64,
@@ -439,16 +440,19 @@ impl Local {
             ));
         }
         let exists = st.exists(&key);
-        let old_all = if exists { st.xattrs(&key)? } else { BTreeMap::new() };
+        let old_all = if exists {
+            st.xattrs(&key)?
+        } else {
+            BTreeMap::new()
+        };
         let old_user = user_xattrs(old_all);
         let restore = match (w.kind, exists) {
             (WriteKind::Meta, _) => Restore::Nothing,
             (_, false) => Restore::Remove,
             (WriteKind::Full, true) => Restore::Full(st.read_vec(&key, 0, u64::MAX)?),
-            (WriteKind::Range, true) => Restore::Range(
-                w.offset,
-                st.read_vec(&key, w.offset, w.data.len() as u64)?,
-            ),
+            (WriteKind::Range, true) => {
+                Restore::Range(w.offset, st.read_vec(&key, w.offset, w.data.len() as u64)?)
+            }
         };
         let mut undo: Vec<(String, Option<Vec<u8>>)> = Vec::new();
         if w.kind == WriteKind::Full {
@@ -546,7 +550,14 @@ impl Local {
     }
 
     /// Undo the write that produced `version_from` (it must be the shard's current version).
-    pub fn rollback(&self, pool: u64, pg: u32, name: &[u8], shard: u8, version_from: u64) -> Result<ShardState> {
+    pub fn rollback(
+        &self,
+        pool: u64,
+        pg: u32,
+        name: &[u8],
+        shard: u8,
+        version_from: u64,
+    ) -> Result<ShardState> {
         let st = self.store(pool, pg);
         let key = ObjectKey::new(pool, name, shard);
         let cur = self.meta(st, &key)?;

@@ -331,17 +331,25 @@ impl Node {
         if held + data.len() > STAGING_BYTES_MAX {
             return Err(Error::remote(
                 Status::TooLarge,
-                format!("{} would stage more than {STAGING_BYTES_MAX} bytes", msg.peer()),
+                format!(
+                    "{} would stage more than {STAGING_BYTES_MAX} bytes",
+                    msg.peer()
+                ),
             ));
         }
         let s = st.entry((msg.peer(), upload)).or_insert(Staged {
             data: Vec::new(),
             at: Instant::now(),
         });
-        if offset != s.data.len() as u64 || offset + data.len() as u64 > crate::ops::OBJECT_BYTES_MAX {
+        if offset != s.data.len() as u64
+            || offset + data.len() as u64 > crate::ops::OBJECT_BYTES_MAX
+        {
             return Err(Error::remote(
                 Status::Invalid,
-                format!("upload {upload}: part at {offset}, expected {}", s.data.len()),
+                format!(
+                    "upload {upload}: part at {offset}, expected {}",
+                    s.data.len()
+                ),
             ));
         }
         s.data.extend_from_slice(data);
@@ -358,7 +366,9 @@ impl Node {
             .ok_or_else(|| {
                 Error::remote(
                     Status::Invalid,
-                    format!("no staged upload {upload} from {who} (expired or sent to another node)"),
+                    format!(
+                        "no staged upload {upload} from {who} (expired or sent to another node)"
+                    ),
                 )
             })
     }
@@ -421,7 +431,9 @@ fn open_devices(cfg: &NodeConfig, fsid: &[u8; 16]) -> Result<Vec<Store<FileDevic
             FileDevice::open(path, FileOptions::default())?
         } else {
             let size = cfg.device_size.ok_or_else(|| {
-                Error::Config(format!("{spec}: no such device (set device_size to create it)"))
+                Error::Config(format!(
+                    "{spec}: no such device (set device_size to create it)"
+                ))
             })?;
             let dev = FileDevice::create(path, size, FileOptions::default())?;
             let label = store::mkfs(
@@ -432,7 +444,10 @@ fn open_devices(cfg: &NodeConfig, fsid: &[u8; 16]) -> Result<Vec<Store<FileDevic
                     ..MkfsOptions::default()
                 },
             )?;
-            info!("{spec}: created and labelled device {}", Uuid(&label.device_uuid));
+            info!(
+                "{spec}: created and labelled device {}",
+                Uuid(&label.device_uuid)
+            );
             dev
         };
         let (st, report) = Store::open(dev, Some(*fsid), StoreConfig::default())?;
@@ -480,8 +495,9 @@ pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
         }
         std::thread::sleep(Duration::from_millis(200));
     }
-    let fsid = store::parse_uuid(&monc.map().fsid)
-        .ok_or_else(|| Error::Config(format!("monitor fsid {:?} is not a UUID", monc.map().fsid)))?;
+    let fsid = store::parse_uuid(&monc.map().fsid).ok_or_else(|| {
+        Error::Config(format!("monitor fsid {:?} is not a UUID", monc.map().fsid))
+    })?;
     let stores = open_devices(&cfg, &fsid)?;
     let devices = stores
         .iter()
@@ -530,7 +546,10 @@ pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
         devices,
     }))?;
     if !r.ok {
-        return Err(Error::Monitor(format!("registration refused: {}", r.message)));
+        return Err(Error::Monitor(format!(
+            "registration refused: {}",
+            r.message
+        )));
     }
     monc.start_poller();
     let n = node.clone();
@@ -539,7 +558,7 @@ pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
         .spawn(move || n.heartbeat_loop())
         .map_err(|e| Error::io("spawn", e))?;
     info!("node {} up at {addr}, map epoch {}", cfg.id, r.epoch);
-    if monc.map().nodes.get(&cfg.id).is_none() {
+    if !monc.map().nodes.contains_key(&cfg.id) {
         warn!("node {}: registered but not yet in the local map", cfg.id);
     }
     std::mem::forget(msgr);

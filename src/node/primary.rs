@@ -175,7 +175,12 @@ impl Node {
         })
     }
 
-    fn try_op(&self, op: &ClientOp, staged: Option<&[u8]>, cache: &Mutex<PgCache>) -> Result<Vec<u8>> {
+    fn try_op(
+        &self,
+        op: &ClientOp,
+        staged: Option<&[u8]>,
+        cache: &Mutex<PgCache>,
+    ) -> Result<Vec<u8>> {
         let ctx = self.ctx(op)?;
         let m = check_ops(op)?;
         let mut c = cache.lock().unwrap();
@@ -220,10 +225,18 @@ impl Node {
                     self.counters.read_bytes.fetch_add(d.len() as u64, Relaxed);
                     OpResult::Data(d)
                 }
-                SubOp::GetXattr(n) => OpResult::Xattr(st.xattrs.get(*n).cloned().ok_or_else(|| {
-                    Error::remote(Status::NoXattr, format!("no xattr {n:?}"))
-                })?),
-                _ => OpResult::Xattrs(st.xattrs.iter().map(|(k, v)| (k.clone(), v.clone())).collect()),
+                SubOp::GetXattr(n) => OpResult::Xattr(
+                    st.xattrs
+                        .get(*n)
+                        .cloned()
+                        .ok_or_else(|| Error::remote(Status::NoXattr, format!("no xattr {n:?}")))?,
+                ),
+                _ => OpResult::Xattrs(
+                    st.xattrs
+                        .iter()
+                        .map(|(k, v)| (k.clone(), v.clone()))
+                        .collect(),
+                ),
             });
         }
         let version = if m.data.is_none() && m.xattrs.is_empty() {
@@ -242,7 +255,12 @@ impl Node {
     // ---- shard requests -------------------------------------------------------------------
 
     /// Send one shard request per (slot, body) and collect the replies (local ones run here).
-    fn fan_out(&self, ctx: &Ctx, msg_type: u16, reqs: Vec<(usize, Vec<Vec<u8>>)>) -> Vec<(usize, Result<Payload>)> {
+    fn fan_out(
+        &self,
+        ctx: &Ctx,
+        msg_type: u16,
+        reqs: Vec<(usize, Vec<Vec<u8>>)>,
+    ) -> Vec<(usize, Result<Payload>)> {
         let (tx, rx) = crossbeam::channel::unbounded();
         let mut local = Vec::new();
         let mut sent = 0;
@@ -280,7 +298,10 @@ impl Node {
         let mut out = Vec::new();
         for (slot, parts) in local {
             let body: Vec<u8> = parts.concat();
-            out.push((slot, self.local_shard_op(msg_type, &body).map(Payload::from_vec)));
+            out.push((
+                slot,
+                self.local_shard_op(msg_type, &body).map(Payload::from_vec),
+            ));
         }
         drop(tx);
         for _ in 0..sent {
@@ -315,7 +336,9 @@ impl Node {
                     wire::MSG_SHARD_STAT => self.local.stat(pool, pg, name, shard)?.encode(&mut e),
                     _ => {
                         let from = d.u64()?;
-                        self.local.rollback(pool, pg, name, shard, from)?.encode(&mut e);
+                        self.local
+                            .rollback(pool, pg, name, shard, from)?
+                            .encode(&mut e);
                     }
                 }
             }
@@ -350,9 +373,12 @@ impl Node {
             states[s].is_some() || ctx.acting.members[s].is_none()
         };
         for _ in 0..ctx.n() + 1 {
-            let version = |s: &Option<ShardState>| s.as_ref().and_then(|s| s.meta).map_or(0, |m| m.version);
+            let version =
+                |s: &Option<ShardState>| s.as_ref().and_then(|s| s.meta).map_or(0, |m| m.version);
             let top = states.iter().map(version).max().unwrap_or(0);
-            let holders: Vec<usize> = (0..ctx.n()).filter(|s| version(&states[*s]) == top && states[*s].is_some()).collect();
+            let holders: Vec<usize> = (0..ctx.n())
+                .filter(|s| version(&states[*s]) == top && states[*s].is_some())
+                .collect();
             if top == 0 {
                 let st = ObjState {
                     current: holders.iter().fold(0, |a, s| a | bit(*s)),
@@ -410,7 +436,13 @@ impl Node {
 
     /// Fetch shard ranges (slot, offset, len) at the object's version, clipped to the shard's
     /// meaningful bytes and zero-padded to `len`.
-    fn fetch(&self, ctx: &Ctx, name: &[u8], st: &ObjState, want: &[(usize, u64, u64)]) -> Result<HashMap<usize, Vec<u8>>> {
+    fn fetch(
+        &self,
+        ctx: &Ctx,
+        name: &[u8],
+        st: &ObjState,
+        want: &[(usize, u64, u64)],
+    ) -> Result<HashMap<usize, Vec<u8>>> {
         let reqs = want
             .iter()
             .map(|&(slot, off, len)| {
@@ -444,7 +476,14 @@ impl Node {
     }
 
     /// Object bytes `[offset, offset + len)` (clamped to the size), degraded when needed.
-    fn read_range(&self, ctx: &Ctx, name: &[u8], st: &ObjState, offset: u64, len: u64) -> Result<Vec<u8>> {
+    fn read_range(
+        &self,
+        ctx: &Ctx,
+        name: &[u8],
+        st: &ObjState,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>> {
         if offset >= st.size || len == 0 {
             return Ok(Vec::new());
         }
@@ -461,7 +500,9 @@ impl Node {
                         message,
                     })
                 }
-                Err(Error::FetchFailed(slot, _)) if excluded & bit(slot) == 0 => excluded |= bit(slot),
+                Err(Error::FetchFailed(slot, _)) if excluded & bit(slot) == 0 => {
+                    excluded |= bit(slot)
+                }
                 Err(Error::FetchFailed(_, e)) => return Err(*e),
                 r => return r,
             }
@@ -469,7 +510,15 @@ impl Node {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn read_range_without(&self, ctx: &Ctx, name: &[u8], st: &ObjState, offset: u64, len: u64, excluded: u64) -> Result<Vec<u8>> {
+    fn read_range_without(
+        &self,
+        ctx: &Ctx,
+        name: &[u8],
+        st: &ObjState,
+        offset: u64,
+        len: u64,
+        excluded: u64,
+    ) -> Result<Vec<u8>> {
         let len = len.min(st.size - offset);
         let k = ctx.k();
         let mut ranges: BTreeMap<usize, (u64, u64)> = BTreeMap::new();
@@ -478,10 +527,14 @@ impl Node {
             r.0 = r.0.min(e.shard_offset);
             r.1 = r.1.max(e.shard_offset + e.len as u64);
         }
-        let avail = |s: usize| st.current & bit(s) != 0 && excluded & bit(s) == 0 && ctx.up(s).is_some();
+        let avail =
+            |s: usize| st.current & bit(s) != 0 && excluded & bit(s) == 0 && ctx.up(s).is_some();
         let missing: Vec<usize> = ranges.keys().copied().filter(|s| !avail(*s)).collect();
         let bufs: HashMap<usize, (u64, Vec<u8>)> = if missing.is_empty() {
-            let want: Vec<_> = ranges.iter().map(|(s, (lo, hi))| (*s, *lo, hi - lo)).collect();
+            let want: Vec<_> = ranges
+                .iter()
+                .map(|(s, (lo, hi))| (*s, *lo, hi - lo))
+                .collect();
             self.fetch(ctx, name, st, &want)?
                 .into_iter()
                 .map(|(s, v)| (s, (ranges[&s].0, v)))
@@ -490,7 +543,9 @@ impl Node {
             let lo = ranges.values().map(|r| r.0).min().unwrap();
             let hi = ranges.values().map(|r| r.1).max().unwrap();
             let mut sources: Vec<usize> = ranges.keys().copied().filter(|s| avail(*s)).collect();
-            let mut others: Vec<usize> = (0..ctx.n()).filter(|s| avail(*s) && !sources.contains(s)).collect();
+            let mut others: Vec<usize> = (0..ctx.n())
+                .filter(|s| avail(*s) && !sources.contains(s))
+                .collect();
             others.sort_by_key(|s| (ctx.acting.members[*s] != Some(self.id), *s));
             sources.extend(others);
             sources.truncate(k);
@@ -506,11 +561,14 @@ impl Node {
             }
             let want: Vec<_> = sources.iter().map(|s| (*s, lo, hi - lo)).collect();
             let got = self.fetch(ctx, name, st, &want)?;
-            let mut wanted: HashMap<usize, Vec<u8>> =
-                missing.iter().map(|s| (*s, vec![0u8; (hi - lo) as usize])).collect();
+            let mut wanted: HashMap<usize, Vec<u8>> = missing
+                .iter()
+                .map(|s| (*s, vec![0u8; (hi - lo) as usize]))
+                .collect();
             {
                 let mut slots: Vec<Shard> = Vec::with_capacity(ctx.n());
-                let mut wanted_refs: HashMap<usize, &mut Vec<u8>> = wanted.iter_mut().map(|(s, v)| (*s, v)).collect();
+                let mut wanted_refs: HashMap<usize, &mut Vec<u8>> =
+                    wanted.iter_mut().map(|(s, v)| (*s, v)).collect();
                 for s in 0..ctx.n() {
                     slots.push(match (got.get(&s), wanted_refs.remove(&s)) {
                         (Some(v), _) => Shard::Present(v),
@@ -520,7 +578,8 @@ impl Node {
                 }
                 ctx.codec.reconstruct(&mut slots)?;
             }
-            let mut all: HashMap<usize, (u64, Vec<u8>)> = got.into_iter().map(|(s, v)| (s, (lo, v))).collect();
+            let mut all: HashMap<usize, (u64, Vec<u8>)> =
+                got.into_iter().map(|(s, v)| (s, (lo, v))).collect();
             for (s, v) in wanted {
                 all.insert(s, (lo, v));
             }
@@ -538,10 +597,28 @@ impl Node {
 
     // ---- write ----------------------------------------------------------------------------
 
-    fn write(&self, ctx: &Ctx, c: &mut PgCache, name: &[u8], st: &ObjState, m: Mutation, staged: Option<&[u8]>) -> Result<u64> {
-        let mut xattrs = if st.exists() { st.xattrs.clone() } else { BTreeMap::new() };
-        let creates = matches!(m.data, Some(SubOp::WriteFull(_) | SubOp::Write { .. } | SubOp::Append(_)));
-        if !st.exists() && !creates && (!m.xattrs.is_empty() || matches!(m.data, Some(SubOp::Remove))) {
+    fn write(
+        &self,
+        ctx: &Ctx,
+        c: &mut PgCache,
+        name: &[u8],
+        st: &ObjState,
+        m: Mutation,
+        staged: Option<&[u8]>,
+    ) -> Result<u64> {
+        let mut xattrs = if st.exists() {
+            st.xattrs.clone()
+        } else {
+            BTreeMap::new()
+        };
+        let creates = matches!(
+            m.data,
+            Some(SubOp::WriteFull(_) | SubOp::Write { .. } | SubOp::Append(_))
+        );
+        if !st.exists()
+            && !creates
+            && (!m.xattrs.is_empty() || matches!(m.data, Some(SubOp::Remove)))
+        {
             return Err(not_found(name));
         }
         for (k, v) in &m.xattrs {
@@ -562,7 +639,9 @@ impl Node {
                 None => d.to_vec(),
             }
         };
-        let up_mask = (0..ctx.n()).filter(|s| ctx.up(*s).is_some()).fold(0, |a, s| a | bit(s));
+        let up_mask = (0..ctx.n())
+            .filter(|s| ctx.up(*s).is_some())
+            .fold(0, |a, s| a | bit(s));
         let all_current = !st.exists() || up_mask & !st.current == 0;
         c.seq = c.seq.wrapping_add(1);
         let version = (st.version + 1).max((ctx.map.epoch << 32) | c.seq as u64);
@@ -582,7 +661,9 @@ impl Node {
             Some(SubOp::Remove) => Plan::Full(Vec::new(), true),
             Some(SubOp::Write { offset, data }) => {
                 let data = with_staged(data);
-                self.counters.write_bytes.fetch_add(data.len() as u64, Relaxed);
+                self.counters
+                    .write_bytes
+                    .fetch_add(data.len() as u64, Relaxed);
                 Plan::Range(*offset, data)
             }
             Some(SubOp::Append(data)) => {
@@ -606,20 +687,41 @@ impl Node {
                 full[off as usize..end].copy_from_slice(&data);
                 Plan::Full(full, false)
             }
-            Plan::Meta if !all_current => Plan::Full(self.read_range(ctx, name, st, 0, st.size)?, st.deleted),
+            Plan::Meta if !all_current => {
+                Plan::Full(self.read_range(ctx, name, st, 0, st.size)?, st.deleted)
+            }
             p => p,
         };
-        let full_xattrs: Vec<(String, Option<Vec<u8>>)> = xattrs.iter().map(|(k, v)| (k.clone(), Some(v.clone()))).collect();
-        let (new_size, deleted, kind, offset, shards, targets): (u64, bool, WriteKind, u64, Vec<Vec<u8>>, u64) = match plan {
+        let full_xattrs: Vec<(String, Option<Vec<u8>>)> = xattrs
+            .iter()
+            .map(|(k, v)| (k.clone(), Some(v.clone())))
+            .collect();
+        let (new_size, deleted, kind, offset, shards, targets): (
+            u64,
+            bool,
+            WriteKind,
+            u64,
+            Vec<Vec<u8>>,
+            u64,
+        ) = match plan {
             Plan::Full(data, deleted) => {
                 if let Some(SubOp::WriteFull(_)) = m.data {
-                    self.counters.write_bytes.fetch_add(data.len() as u64, Relaxed);
+                    self.counters
+                        .write_bytes
+                        .fetch_add(data.len() as u64, Relaxed);
                 }
                 if data.len() as u64 > ops::OBJECT_BYTES_MAX {
                     return Err(too_large(data.len() as u64));
                 }
                 let shards = encode_full(ctx, &data);
-                (data.len() as u64, deleted, WriteKind::Full, 0, shards, up_mask)
+                (
+                    data.len() as u64,
+                    deleted,
+                    WriteKind::Full,
+                    0,
+                    shards,
+                    up_mask,
+                )
             }
             Plan::Range(off, data) => {
                 let end = off + data.len() as u64;
@@ -628,14 +730,46 @@ impl Node {
                 }
                 let new_size = st.size.max(end);
                 let (s_off, shards) = self.encode_range(ctx, name, st, off, &data, new_size)?;
-                (new_size, false, WriteKind::Range, s_off, shards, up_mask & st.current)
+                (
+                    new_size,
+                    false,
+                    WriteKind::Range,
+                    s_off,
+                    shards,
+                    up_mask & st.current,
+                )
             }
-            Plan::Meta => (st.size, st.deleted, WriteKind::Meta, 0, vec![Vec::new(); ctx.n()], up_mask & st.current),
+            Plan::Meta => (
+                st.size,
+                st.deleted,
+                WriteKind::Meta,
+                0,
+                vec![Vec::new(); ctx.n()],
+                up_mask & st.current,
+            ),
         };
         let meta = meta(new_size, deleted);
-        let base = if kind == WriteKind::Full { BASE_ANY } else { st.version };
-        let xattr_list = if kind == WriteKind::Full { full_xattrs } else { m.xattrs.clone() };
-        let acked = self.replicate(ctx, name, kind, base, meta, offset, &xattr_list, &shards, targets)?;
+        let base = if kind == WriteKind::Full {
+            BASE_ANY
+        } else {
+            st.version
+        };
+        let xattr_list = if kind == WriteKind::Full {
+            full_xattrs
+        } else {
+            m.xattrs.clone()
+        };
+        let acked = self.replicate(
+            ctx,
+            name,
+            kind,
+            base,
+            meta,
+            offset,
+            &xattr_list,
+            &shards,
+            targets,
+        )?;
         let new = ObjState {
             version,
             size: new_size,
@@ -650,7 +784,15 @@ impl Node {
 
     /// Re-encode the stripes an overwrite touches; returns the shard offset and each slot's
     /// bytes from there (clipped to its meaningful length under the new size).
-    fn encode_range(&self, ctx: &Ctx, name: &[u8], st: &ObjState, off: u64, data: &[u8], new_size: u64) -> Result<(u64, Vec<Vec<u8>>)> {
+    fn encode_range(
+        &self,
+        ctx: &Ctx,
+        name: &[u8],
+        st: &ObjState,
+        off: u64,
+        data: &[u8],
+        new_size: u64,
+    ) -> Result<(u64, Vec<Vec<u8>>)> {
         let w = ctx.profile.stripe_width();
         let u = ctx.profile.stripe_unit() as u64;
         let lo = off.min(st.size);
@@ -668,7 +810,10 @@ impl Node {
         let mut shards = stripes_to_shards(ctx, &buf);
         let s_off = s0 * u;
         for (slot, v) in shards.iter_mut().enumerate() {
-            let keep = ctx.clip(slot, new_size).saturating_sub(s_off).min(v.len() as u64);
+            let keep = ctx
+                .clip(slot, new_size)
+                .saturating_sub(s_off)
+                .min(v.len() as u64);
             v.truncate(keep as usize);
         }
         Ok((s_off, shards))
@@ -677,7 +822,18 @@ impl Node {
     /// Send the shard writes; wait until every up target is durable and at least min_size
     /// are, or the bounded wait ends. Returns the slots now current.
     #[allow(clippy::too_many_arguments)]
-    fn replicate(&self, ctx: &Ctx, name: &[u8], kind: WriteKind, base: u64, meta: ShardMeta, offset: u64, xattrs: &[(String, Option<Vec<u8>>)], shards: &[Vec<u8>], targets: u64) -> Result<u64> {
+    fn replicate(
+        &self,
+        ctx: &Ctx,
+        name: &[u8],
+        kind: WriteKind,
+        base: u64,
+        meta: ShardMeta,
+        offset: u64,
+        xattrs: &[(String, Option<Vec<u8>>)],
+        shards: &[Vec<u8>],
+        targets: u64,
+    ) -> Result<u64> {
         let deadline = Instant::now() + Duration::from_millis(self.cfg.write_wait_ms);
         let min_size = ctx.pool.min_size as usize;
         let shards: Vec<Arc<Vec<u8>>> = shards.iter().map(|s| Arc::new(s.clone())).collect();
@@ -735,7 +891,8 @@ impl Node {
                     }
                 }
             }
-            let required = (0..ctx.n()).filter(|s| up(*s) && (targets & bit(*s) != 0 || kind == WriteKind::Full));
+            let required = (0..ctx.n())
+                .filter(|s| up(*s) && (targets & bit(*s) != 0 || kind == WriteKind::Full));
             let waiting = required.clone().filter(|s| acked & bit(*s) == 0).count();
             let n_acked = acked.count_ones() as usize;
             if waiting == 0 && n_acked >= min_size {
@@ -768,7 +925,8 @@ impl Node {
                 ));
             }
             // Wait for the map to change (a failed member marked down, or one coming back).
-            self.monc.wait_change(attempted_epoch, Duration::from_millis(250));
+            self.monc
+                .wait_change(attempted_epoch, Duration::from_millis(250));
         }
     }
 }
@@ -788,11 +946,20 @@ fn parse_state(p: &[u8]) -> Result<ShardState> {
 }
 
 fn not_found(name: &[u8]) -> Error {
-    Error::remote(Status::NotFound, format!("no object {:?}", String::from_utf8_lossy(name)))
+    Error::remote(
+        Status::NotFound,
+        format!("no object {:?}", String::from_utf8_lossy(name)),
+    )
 }
 
 fn too_large(n: u64) -> Error {
-    Error::remote(Status::TooLarge, format!("object would be {n} bytes; the maximum is {}", ops::OBJECT_BYTES_MAX))
+    Error::remote(
+        Status::TooLarge,
+        format!(
+            "object would be {n} bytes; the maximum is {}",
+            ops::OBJECT_BYTES_MAX
+        ),
+    )
 }
 
 /// Validate a request's sub-ops and split out its mutation.
@@ -814,7 +981,10 @@ fn check_ops<'a>(op: &ClientOp<'a>) -> Result<Mutation<'a>> {
                 return Err(too_large(offset + data.len() as u64))
             }
             SubOp::SetXattr(n, v) => {
-                if n.is_empty() || n.len() > XATTR_NAME_BYTES_MAX || v.len() > ops::XATTR_VALUE_BYTES_MAX {
+                if n.is_empty()
+                    || n.len() > XATTR_NAME_BYTES_MAX
+                    || v.len() > ops::XATTR_VALUE_BYTES_MAX
+                {
                     return Err(bad(format!(
                         "xattr {n:?}: name 1..={XATTR_NAME_BYTES_MAX} bytes, value at most {} bytes",
                         ops::XATTR_VALUE_BYTES_MAX
@@ -825,7 +995,10 @@ fn check_ops<'a>(op: &ClientOp<'a>) -> Result<Mutation<'a>> {
             SubOp::RmXattr(n) => m.xattrs.push((n.to_string(), None)),
             o if o.is_data_mutation() => {
                 if m.data.is_some() {
-                    return Err(bad("at most one data mutation (write_full, write, append, remove) per request".into()));
+                    return Err(bad(
+                        "at most one data mutation (write_full, write, append, remove) per request"
+                            .into(),
+                    ));
                 }
                 m.data = Some(o.clone());
             }
