@@ -23,7 +23,7 @@ use crate::monclient::MonClient;
 use crate::monitor::raft::MonCommand;
 use crate::monitor::StatusReport;
 use crate::ops::{self, ClientOp, ObjStat, OpResult, SubOp};
-use crate::placement::{pg_of, Acting};
+use crate::placement::pg_of;
 use crate::wire::{self, Dec, Enc, Status};
 
 struct ClientDispatcher(OnceLock<Arc<MonClient>>);
@@ -70,6 +70,8 @@ impl Client {
                 workers: 1,
                 handler_threads: 1,
                 payload_bytes_max: messenger::frame::PAYLOAD_BYTES_LIMIT,
+            // Many processes share few cores: sleep right away instead of spinning.
+            busy_poll: Duration::ZERO,
                 ..messenger::Config::default()
             },
             Identity::Client(id),
@@ -190,7 +192,7 @@ impl Client {
                     format!("no pool with id {pool} at epoch {}", map.epoch),
                 ));
             };
-            let a = Acting::compute(&map, p, pg_of(p, name));
+            let a = self.monc.acting(&map, p, pg_of(p, name));
             let Some(primary) = a.primary else {
                 last = format!("pg {pool}.{:x} has no up member", a.pg);
                 self.monc.wait_change(map.epoch, Duration::from_millis(500));

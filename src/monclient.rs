@@ -1,6 +1,7 @@
 //! Talking to the monitors: map subscription, commands (with leader redirect), heartbeats,
 //! status. Used by nodes and clients alike.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -8,7 +9,8 @@ use std::time::{Duration, Instant};
 use messenger::{Connection, Identity, Messenger, OutMessage};
 
 use crate::error::{Error, Result};
-use crate::map::ClusterMap;
+use crate::map::{ClusterMap, PoolInfo};
+use crate::placement::Acting;
 use crate::monitor::raft::{MonCommand, MonResponse};
 use crate::monitor::{MapReply, NodeStats, StatusReport};
 use crate::wire::{self, Enc, Status, MON_IDENTITY_BASE};
@@ -27,6 +29,8 @@ pub struct MonClient {
     conns: Mutex<Vec<Option<Connection>>>,
     map: RwLock<Arc<ClusterMap>>,
     epoch: (Mutex<u64>, Condvar),
+    /// PG placements computed at one epoch (placement hashing is not free on every op).
+    placement: Mutex<(u64, HashMap<(u64, u32), Arc<Acting>>)>,
 }
 
 impl MonClient {
@@ -39,11 +43,24 @@ impl MonClient {
             conns: Mutex::new(vec![None; n]),
             map: RwLock::new(Arc::new(ClusterMap::default())),
             epoch: (Mutex::new(0), Condvar::new()),
+            placement: Mutex::new((0, HashMap::new())),
         })
     }
 
     pub fn map(&self) -> Arc<ClusterMap> {
         self.map.read().unwrap().clone()
+    }
+
+    /// Where a PG stands under `map` (memoised per epoch).
+    pub fn acting(&self, map: &ClusterMap, pool: &PoolInfo, pg: u32) -> Arc<Acting> {
+        let mut c = self.placement.lock().unwrap();
+        if c.0 != map.epoch {
+            c.0 = map.epoch;
+            c.1.clear();
+        }
+        c.1.entry((pool.id, pg))
+            .or_insert_with(|| Arc::new(Acting::compute(map, pool, pg)))
+            .clone()
     }
 
     pub fn epoch(&self) -> u64 {

@@ -472,6 +472,8 @@ pub fn start(cfg: MonitorConfig) -> Result<Arc<Monitor>> {
     let msgr = Arc::new(Messenger::new(
         messenger::Config {
             handler_threads: 4,
+            // Many processes share few cores: sleep right away instead of spinning.
+            busy_poll: Duration::ZERO,
             ..messenger::Config::default()
         },
         Identity::Node(MON_IDENTITY_BASE + cfg.id),

@@ -477,6 +477,8 @@ pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
     let msgr = Arc::new(Messenger::new(
         messenger::Config {
             payload_bytes_max: messenger::frame::PAYLOAD_BYTES_LIMIT,
+            // Many processes share few cores: sleep right away instead of spinning.
+            busy_poll: Duration::ZERO,
             ..messenger::Config::default()
         },
         Identity::Node(cfg.id),

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ec::{Codec, Profile, Shard};
-use messenger::{Incoming, OutMessage, Payload};
+use messenger::{Incoming, OutMessage, Payload, SendBuf};
 
 use super::local::{ShardMeta, ShardState, ShardWrite, WriteKind, BASE_ANY};
 use super::Node;
@@ -154,7 +154,7 @@ impl Node {
         })?;
         ops::check_name(op.name).map_err(|m| Error::remote(Status::Invalid, m))?;
         let pg = pg_of(&pool, op.name);
-        let acting = Acting::compute(&map, &pool, pg);
+        let acting = (*self.monc.acting(&map, &pool, pg)).clone();
         if acting.primary != Some(self.id) {
             return Err(Error::remote(
                 Status::WrongPrimary,
@@ -254,15 +254,17 @@ impl Node {
 
     // ---- shard requests -------------------------------------------------------------------
 
-    /// Send one shard request per (slot, body) and collect the replies (local ones run here).
+    /// Send one shard request per (slot, parts) and collect the replies; the slot on this
+    /// node runs `local` here, after the remote requests are on their way.
     fn fan_out(
         &self,
         ctx: &Ctx,
         msg_type: u16,
-        reqs: Vec<(usize, Vec<Vec<u8>>)>,
+        reqs: Vec<(usize, Vec<SendBuf>)>,
+        local: &dyn Fn(usize, Vec<SendBuf>) -> Result<Payload>,
     ) -> Vec<(usize, Result<Payload>)> {
         let (tx, rx) = crossbeam::channel::unbounded();
-        let mut local = Vec::new();
+        let mut mine = Vec::new();
         let mut sent = 0;
         for (slot, parts) in reqs {
             let Some(node) = ctx.up(slot) else {
@@ -271,17 +273,17 @@ impl Node {
                 continue;
             };
             if node == self.id {
-                local.push((slot, parts));
+                mine.push((slot, parts));
                 continue;
             }
             sent += 1;
             let tx = tx.clone();
             match self.peer(node) {
                 Ok(conn) => {
-                    let mut msg = OutMessage::empty(msg_type);
-                    for p in parts {
-                        msg = msg.with_part(p);
-                    }
+                    let msg = OutMessage {
+                        msg_type,
+                        parts,
+                    };
                     conn.request_with(msg, SHARD_TIMEOUT, move |r| {
                         let r = r.map_err(Error::from).and_then(|reply| {
                             let (_, res) = wire::parse_reply_epoch(&reply.payload);
@@ -296,12 +298,8 @@ impl Node {
             }
         }
         let mut out = Vec::new();
-        for (slot, parts) in local {
-            let body: Vec<u8> = parts.concat();
-            out.push((
-                slot,
-                self.local_shard_op(msg_type, &body).map(Payload::from_vec),
-            ));
+        for (slot, parts) in mine {
+            out.push((slot, local(slot, parts)));
         }
         drop(tx);
         for _ in 0..sent {
@@ -311,6 +309,14 @@ impl Node {
             }
         }
         out
+    }
+
+    /// The local half of a small shard request (stat, read, rollback).
+    fn local_small(&self, msg_type: u16) -> impl Fn(usize, Vec<SendBuf>) -> Result<Payload> + '_ {
+        move |_slot, parts: Vec<SendBuf>| {
+            let body: Vec<u8> = parts.iter().flat_map(|p| p.bytes().iter().copied()).collect();
+            self.local_shard_op(msg_type, &body).map(Payload::from_vec)
+        }
     }
 
     fn local_shard_op(&self, msg_type: u16, body: &[u8]) -> Result<Vec<u8>> {
@@ -360,10 +366,11 @@ impl Node {
         }
         let reqs = (0..ctx.n())
             .filter(|s| ctx.acting.members[*s].is_some())
-            .map(|s| (s, vec![self.shard_req_head(ctx, name, s).finish()]))
+            .map(|s| (s, vec![SendBuf::Vec(self.shard_req_head(ctx, name, s).finish())]))
             .collect();
         let mut states: Vec<Option<ShardState>> = vec![None; ctx.n()];
-        for (slot, r) in self.fan_out(ctx, wire::MSG_SHARD_STAT, reqs) {
+        let local = self.local_small(wire::MSG_SHARD_STAT);
+        for (slot, r) in self.fan_out(ctx, wire::MSG_SHARD_STAT, reqs, &local) {
             if let Ok(p) = r {
                 states[slot] = parse_state(&p).ok();
             }
@@ -421,10 +428,11 @@ impl Node {
                 .map(|&s| {
                     let mut e = self.shard_req_head(ctx, name, s);
                     e.u64(top);
-                    (s, vec![e.finish()])
+                    (s, vec![SendBuf::Vec(e.finish())])
                 })
                 .collect();
-            for (slot, r) in self.fan_out(ctx, wire::MSG_SHARD_ROLLBACK, reqs) {
+            let local = self.local_small(wire::MSG_SHARD_ROLLBACK);
+            for (slot, r) in self.fan_out(ctx, wire::MSG_SHARD_ROLLBACK, reqs, &local) {
                 let p = r?;
                 states[slot] = Some(parse_state(&p)?);
             }
@@ -448,11 +456,12 @@ impl Node {
             .map(|&(slot, off, len)| {
                 let mut e = self.shard_req_head(ctx, name, slot);
                 e.u64(st.version).u64(off).u64(len);
-                (slot, vec![e.finish()])
+                (slot, vec![SendBuf::Vec(e.finish())])
             })
             .collect();
         let mut out = HashMap::new();
-        for (slot, r) in self.fan_out(ctx, wire::MSG_SHARD_READ, reqs) {
+        let local = self.local_small(wire::MSG_SHARD_READ);
+        for (slot, r) in self.fan_out(ctx, wire::MSG_SHARD_READ, reqs, &local) {
             let p = match r {
                 Ok(p) => p,
                 Err(Error::Remote {
@@ -767,7 +776,7 @@ impl Node {
             meta,
             offset,
             &xattr_list,
-            &shards,
+            &shards.into_iter().map(Arc::new).collect::<Vec<_>>(),
             targets,
         )?;
         let new = ObjState {
@@ -831,12 +840,11 @@ impl Node {
         meta: ShardMeta,
         offset: u64,
         xattrs: &[(String, Option<Vec<u8>>)],
-        shards: &[Vec<u8>],
+        shards: &[Arc<Vec<u8>>],
         targets: u64,
     ) -> Result<u64> {
         let deadline = Instant::now() + Duration::from_millis(self.cfg.write_wait_ms);
         let min_size = ctx.pool.min_size as usize;
-        let shards: Vec<Arc<Vec<u8>>> = shards.iter().map(|s| Arc::new(s.clone())).collect();
         let mut acked = 0u64;
         let mut failed = 0u64; // tried at the current epoch and failed
         let mut attempted_epoch = 0u64;
@@ -863,25 +871,30 @@ impl Node {
                     profile: ctx.profile,
                     codec: ctx.codec.clone(),
                 };
+                let write = |s: usize| ShardWrite {
+                    pool: ctx.pool.id,
+                    pg: ctx.pg,
+                    name,
+                    shard: s as u8,
+                    kind,
+                    base_version: base,
+                    meta,
+                    offset,
+                    xattrs: xattrs.to_vec(),
+                    data: &shards[s],
+                };
                 let reqs = todo
                     .iter()
                     .map(|&s| {
-                        let w = ShardWrite {
-                            pool: ctx.pool.id,
-                            pg: ctx.pg,
-                            name,
-                            shard: s as u8,
-                            kind,
-                            base_version: base,
-                            meta,
-                            offset,
-                            xattrs: xattrs.to_vec(),
-                            data: &shards[s],
-                        };
-                        (s, vec![w.encode_header(ctx_map.epoch), shards[s].to_vec()])
+                        let head = write(s).encode_header(ctx_map.epoch);
+                        (s, vec![SendBuf::Vec(head), SendBuf::Shared(shards[s].clone())])
                     })
                     .collect();
-                for (slot, r) in self.fan_out(&sub, wire::MSG_SHARD_WRITE, reqs) {
+                let local = |s: usize, _parts: Vec<SendBuf>| -> Result<Payload> {
+                    self.local.apply(&write(s))?;
+                    Ok(Payload::from_vec(Vec::new()))
+                };
+                for (slot, r) in self.fan_out(&sub, wire::MSG_SHARD_WRITE, reqs, &local) {
                     match r {
                         Ok(_) => acked |= bit(slot),
                         Err(e) => {
