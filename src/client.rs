@@ -70,8 +70,8 @@ impl Client {
                 workers: 1,
                 handler_threads: 1,
                 payload_bytes_max: messenger::frame::PAYLOAD_BYTES_LIMIT,
-            // Many processes share few cores: sleep right away instead of spinning.
-            busy_poll: Duration::ZERO,
+                // Many processes share few cores: sleep right away instead of spinning.
+                busy_poll: Duration::ZERO,
                 ..messenger::Config::default()
             },
             Identity::Client(id),

@@ -10,9 +10,9 @@ use messenger::{Connection, Identity, Messenger, OutMessage};
 
 use crate::error::{Error, Result};
 use crate::map::{ClusterMap, PoolInfo};
-use crate::placement::Acting;
 use crate::monitor::raft::{MonCommand, MonResponse};
 use crate::monitor::{MapReply, NodeStats, StatusReport};
+use crate::placement::Acting;
 use crate::wire::{self, Enc, Status, MON_IDENTITY_BASE};
 
 /// How long one monitor request may take.
@@ -22,6 +22,9 @@ const MON_COMMAND_DEADLINE: Duration = Duration::from_secs(20);
 /// Map poll / re-subscribe period (pushes usually arrive first).
 pub const MAP_POLL_PERIOD: Duration = Duration::from_millis(500);
 
+/// (epoch, (pool, pg) → placement at that epoch).
+type PlacementMemo = (u64, HashMap<(u64, u32), Arc<Acting>>);
+
 pub struct MonClient {
     msgr: Arc<Messenger>,
     monitors: Vec<SocketAddr>,
@@ -30,7 +33,7 @@ pub struct MonClient {
     map: RwLock<Arc<ClusterMap>>,
     epoch: (Mutex<u64>, Condvar),
     /// PG placements computed at one epoch (placement hashing is not free on every op).
-    placement: Mutex<(u64, HashMap<(u64, u32), Arc<Acting>>)>,
+    placement: Mutex<PlacementMemo>,
 }
 
 impl MonClient {

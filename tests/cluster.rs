@@ -117,11 +117,12 @@ fn objects_of_every_size_ranges_overwrites_xattrs_and_compound_ops() {
     c.put(pool, name, &model).unwrap();
     let unit = 64 << 10;
     let writes: Vec<(usize, usize)> = vec![
-        (0, 100),
-        (6 * unit - 3, 10),          // across a stripe boundary
-        (unit * 2 + 5, 3 * unit),    // several units
-        (model.len() - 1, 5),        // grows the object
-        (model.len() + 200_000, 17), // leaves a zero gap
+        (0, 100),                      // one data shard: parity delta
+        (12 * unit + unit + 10, 1000), // inside shard 1 of stripe 2: parity delta
+        (6 * unit - 3, 10),            // across a stripe boundary
+        (unit * 2 + 5, 3 * unit),      // several units
+        (model.len() - 1, 5),          // grows the object
+        (model.len() + 200_000, 17),   // leaves a zero gap
     ];
     for (k, (off, len)) in writes.into_iter().enumerate() {
         let d = bytes(1000 + k as u64, len);

@@ -280,10 +280,7 @@ impl Node {
             let tx = tx.clone();
             match self.peer(node) {
                 Ok(conn) => {
-                    let msg = OutMessage {
-                        msg_type,
-                        parts,
-                    };
+                    let msg = OutMessage { msg_type, parts };
                     conn.request_with(msg, SHARD_TIMEOUT, move |r| {
                         let r = r.map_err(Error::from).and_then(|reply| {
                             let (_, res) = wire::parse_reply_epoch(&reply.payload);
@@ -314,7 +311,10 @@ impl Node {
     /// The local half of a small shard request (stat, read, rollback).
     fn local_small(&self, msg_type: u16) -> impl Fn(usize, Vec<SendBuf>) -> Result<Payload> + '_ {
         move |_slot, parts: Vec<SendBuf>| {
-            let body: Vec<u8> = parts.iter().flat_map(|p| p.bytes().iter().copied()).collect();
+            let body: Vec<u8> = parts
+                .iter()
+                .flat_map(|p| p.bytes().iter().copied())
+                .collect();
             self.local_shard_op(msg_type, &body).map(Payload::from_vec)
         }
     }
@@ -366,7 +366,12 @@ impl Node {
         }
         let reqs = (0..ctx.n())
             .filter(|s| ctx.acting.members[*s].is_some())
-            .map(|s| (s, vec![SendBuf::Vec(self.shard_req_head(ctx, name, s).finish())]))
+            .map(|s| {
+                (
+                    s,
+                    vec![SendBuf::Vec(self.shard_req_head(ctx, name, s).finish())],
+                )
+            })
             .collect();
         let mut states: Vec<Option<ShardState>> = vec![None; ctx.n()];
         let local = self.local_small(wire::MSG_SHARD_STAT);
@@ -705,14 +710,9 @@ impl Node {
             .iter()
             .map(|(k, v)| (k.clone(), Some(v.clone())))
             .collect();
-        let (new_size, deleted, kind, offset, shards, targets): (
-            u64,
-            bool,
-            WriteKind,
-            u64,
-            Vec<Vec<u8>>,
-            u64,
-        ) = match plan {
+        let n = ctx.n();
+        type Planned = (u64, bool, Vec<(WriteKind, u64)>, Vec<Vec<u8>>, u64);
+        let (new_size, deleted, kinds, shards, targets): Planned = match plan {
             Plan::Full(data, deleted) => {
                 if let Some(SubOp::WriteFull(_)) = m.data {
                     self.counters
@@ -726,8 +726,7 @@ impl Node {
                 (
                     data.len() as u64,
                     deleted,
-                    WriteKind::Full,
-                    0,
+                    vec![(WriteKind::Full, 0); n],
                     shards,
                     up_mask,
                 )
@@ -738,24 +737,28 @@ impl Node {
                     return Err(too_large(end));
                 }
                 let new_size = st.size.max(end);
-                let (s_off, shards) = self.encode_range(ctx, name, st, off, &data, new_size)?;
-                (
-                    new_size,
-                    false,
-                    WriteKind::Range,
-                    s_off,
-                    shards,
-                    up_mask & st.current,
-                )
+                let (kinds, shards) = match self.parity_delta(ctx, name, st, off, &data)? {
+                    Some(d) => d,
+                    None => {
+                        let (s_off, shards) =
+                            self.encode_range(ctx, name, st, off, &data, new_size)?;
+                        (vec![(WriteKind::Range, s_off); n], shards)
+                    }
+                };
+                (new_size, false, kinds, shards, up_mask & st.current)
             }
             Plan::Meta => (
                 st.size,
                 st.deleted,
-                WriteKind::Meta,
-                0,
-                vec![Vec::new(); ctx.n()],
+                vec![(WriteKind::Meta, 0); n],
+                vec![Vec::new(); n],
                 up_mask & st.current,
             ),
+        };
+        let kind = if kinds.iter().all(|k| k.0 == WriteKind::Full) {
+            WriteKind::Full
+        } else {
+            WriteKind::Range
         };
         let meta = meta(new_size, deleted);
         let base = if kind == WriteKind::Full {
@@ -771,10 +774,9 @@ impl Node {
         let acked = self.replicate(
             ctx,
             name,
-            kind,
+            &kinds,
             base,
             meta,
-            offset,
             &xattr_list,
             &shards.into_iter().map(Arc::new).collect::<Vec<_>>(),
             targets,
@@ -789,6 +791,91 @@ impl Node {
         };
         remember(c, name, &new);
         Ok(version)
+    }
+
+    /// A small overwrite inside the object through parity deltas: read the old bytes of the
+    /// touched data-shard ranges and of the parity over their union, apply
+    /// `Codec::parity_delta`, write just those ranges (untouched data shards only take the new
+    /// version). `None` when a read-modify-write of the stripes reads less (ec's
+    /// `update_method`), the write grows the object, or a needed shard is not up.
+    #[allow(clippy::type_complexity)]
+    fn parity_delta(
+        &self,
+        ctx: &Ctx,
+        name: &[u8],
+        st: &ObjState,
+        off: u64,
+        data: &[u8],
+    ) -> Result<Option<(Vec<(WriteKind, u64)>, Vec<Vec<u8>>)>> {
+        let (k, n) = (ctx.k(), ctx.n());
+        if data.is_empty() || off + data.len() as u64 > st.size {
+            return Ok(None);
+        }
+        let mut ranges: BTreeMap<usize, (u64, u64)> = BTreeMap::new();
+        for e in ctx.profile.extents(off, data.len() as u64) {
+            let r = ranges.entry(e.shard).or_insert((u64::MAX, 0));
+            r.0 = r.0.min(e.shard_offset);
+            r.1 = r.1.max(e.shard_offset + e.len as u64);
+        }
+        if ctx.profile.update_method(ranges.len()) != ec::UpdateMethod::ParityDelta {
+            return Ok(None);
+        }
+        let plo = ranges.values().map(|r| r.0).min().expect("a touched shard");
+        let phi = ranges.values().map(|r| r.1).max().expect("a touched shard");
+        let mut want: Vec<(usize, u64, u64)> = ranges
+            .iter()
+            .map(|(j, (lo, hi))| (*j, *lo, hi - lo))
+            .collect();
+        want.extend((k..n).map(|p| (p, plo, phi - plo)));
+        if want
+            .iter()
+            .any(|w| st.current & bit(w.0) == 0 || ctx.up(w.0).is_none())
+        {
+            return Ok(None);
+        }
+        let old = self.fetch(ctx, name, st, &want)?;
+        let mut new: BTreeMap<usize, Vec<u8>> = ranges
+            .iter()
+            .map(|(j, (lo, hi))| (*j, vec![0u8; (hi - lo) as usize]))
+            .collect();
+        let mut covered = vec![0u64; k];
+        for e in ctx.profile.extents(off, data.len() as u64) {
+            let at = (e.shard_offset - ranges[&e.shard].0) as usize;
+            let from = (e.object_offset - off) as usize;
+            new.get_mut(&e.shard).expect("touched")[at..at + e.len]
+                .copy_from_slice(&data[from..from + e.len]);
+            covered[e.shard] += e.len as u64;
+        }
+        for (j, (lo, hi)) in &ranges {
+            assert_eq!(
+                covered[*j],
+                hi - lo,
+                "a shard's touched range is contiguous"
+            );
+        }
+        let mut parity: Vec<Vec<u8>> = (k..n).map(|p| old[&p].clone()).collect();
+        for (j, (lo, hi)) in &ranges {
+            let (a, b) = ((lo - plo) as usize, (hi - plo) as usize);
+            let mut slices: Vec<&mut [u8]> = parity.iter_mut().map(|v| &mut v[a..b]).collect();
+            ctx.codec.parity_delta(*j, &old[j], &new[j], &mut slices);
+        }
+        tracing::debug!(
+            "parity delta: {} at {off}+{}: data shards {:?}, parity [{plo}, {phi})",
+            String::from_utf8_lossy(name),
+            data.len(),
+            ranges.keys().collect::<Vec<_>>()
+        );
+        let mut kinds = vec![(WriteKind::Meta, 0); n];
+        let mut shards = vec![Vec::new(); n];
+        for (j, (lo, _)) in &ranges {
+            kinds[*j] = (WriteKind::Range, *lo);
+            shards[*j] = new.remove(j).expect("built");
+        }
+        for (i, p) in (k..n).zip(parity) {
+            kinds[i] = (WriteKind::Range, plo);
+            shards[i] = p;
+        }
+        Ok(Some((kinds, shards)))
     }
 
     /// Re-encode the stripes an overwrite touches; returns the shard offset and each slot's
@@ -835,14 +922,14 @@ impl Node {
         &self,
         ctx: &Ctx,
         name: &[u8],
-        kind: WriteKind,
+        kinds: &[(WriteKind, u64)],
         base: u64,
         meta: ShardMeta,
-        offset: u64,
         xattrs: &[(String, Option<Vec<u8>>)],
         shards: &[Arc<Vec<u8>>],
         targets: u64,
     ) -> Result<u64> {
+        let full = kinds.iter().all(|k| k.0 == WriteKind::Full);
         let deadline = Instant::now() + Duration::from_millis(self.cfg.write_wait_ms);
         let min_size = ctx.pool.min_size as usize;
         let mut acked = 0u64;
@@ -859,7 +946,7 @@ impl Node {
             }
             let up = |s: usize| ctx.acting.members[s].is_some_and(|n| ctx_map.is_up(n));
             let todo: Vec<usize> = (0..ctx.n())
-                .filter(|s| targets & bit(*s) != 0 || (kind == WriteKind::Full && up(*s)))
+                .filter(|s| targets & bit(*s) != 0 || (full && up(*s)))
                 .filter(|s| up(*s) && acked & bit(*s) == 0 && failed & bit(*s) == 0)
                 .collect();
             if !todo.is_empty() {
@@ -876,10 +963,10 @@ impl Node {
                     pg: ctx.pg,
                     name,
                     shard: s as u8,
-                    kind,
+                    kind: kinds[s].0,
                     base_version: base,
                     meta,
-                    offset,
+                    offset: kinds[s].1,
                     xattrs: xattrs.to_vec(),
                     data: &shards[s],
                 };
@@ -887,7 +974,10 @@ impl Node {
                     .iter()
                     .map(|&s| {
                         let head = write(s).encode_header(ctx_map.epoch);
-                        (s, vec![SendBuf::Vec(head), SendBuf::Shared(shards[s].clone())])
+                        (
+                            s,
+                            vec![SendBuf::Vec(head), SendBuf::Shared(shards[s].clone())],
+                        )
                     })
                     .collect();
                 let local = |s: usize, _parts: Vec<SendBuf>| -> Result<Payload> {
@@ -904,8 +994,7 @@ impl Node {
                     }
                 }
             }
-            let required = (0..ctx.n())
-                .filter(|s| up(*s) && (targets & bit(*s) != 0 || kind == WriteKind::Full));
+            let required = (0..ctx.n()).filter(|s| up(*s) && (targets & bit(*s) != 0 || full));
             let waiting = required.clone().filter(|s| acked & bit(*s) == 0).count();
             let n_acked = acked.count_ones() as usize;
             if waiting == 0 && n_acked >= min_size {
