@@ -149,13 +149,15 @@ impl Client {
     }
 
     fn conn(&self, node: u32, addr: SocketAddr) -> Result<Connection> {
-        if let Some(c) = self.conns.lock().unwrap().get(&node) {
+        // Held across the connect so racing threads share one connection.
+        let mut conns = self.conns.lock().unwrap();
+        if let Some(c) = conns.get(&node) {
             if c.peer_addr() == addr {
                 return Ok(c.clone());
             }
         }
         let c = self.msgr.connect(addr, Identity::Node(node))?;
-        if let Some(old) = self.conns.lock().unwrap().insert(node, c.clone()) {
+        if let Some(old) = conns.insert(node, c.clone()) {
             old.close();
         }
         Ok(c)

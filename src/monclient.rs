@@ -71,8 +71,11 @@ impl MonClient {
     }
 
     fn conn(&self, i: usize) -> Result<Connection> {
-        if let Some(c) = &self.conns.lock().unwrap()[i] {
-            if c.is_open() {
+        // Held across the connect so racing threads share one connection. A connection that
+        // is reconnecting is kept (the messenger brings it back); its requests fail meanwhile.
+        let mut conns = self.conns.lock().unwrap();
+        if let Some(c) = &conns[i] {
+            if c.state() != "closed" {
                 return Ok(c.clone());
             }
         }
@@ -80,10 +83,7 @@ impl MonClient {
             self.monitors[i],
             Identity::Node(MON_IDENTITY_BASE + i as u32 + 1),
         )?;
-        let mut conns = self.conns.lock().unwrap();
-        if let Some(old) = conns[i].replace(c.clone()) {
-            old.close();
-        }
+        conns[i] = Some(c.clone());
         Ok(c)
     }
 

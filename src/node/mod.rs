@@ -165,13 +165,16 @@ impl Node {
             .get(&id)
             .ok_or_else(|| Error::remote(Status::Unavailable, format!("no node {id} in the map")))?
             .addr;
-        if let Some(c) = self.peers.lock().unwrap().get(&id) {
+        // Held across the connect: threads racing to reach the same peer share one
+        // connection (a second one would close the first under the other's requests).
+        let mut peers = self.peers.lock().unwrap();
+        if let Some(c) = peers.get(&id) {
             if c.peer_addr() == addr {
                 return Ok(c.clone());
             }
         }
         let c = self.msgr().connect(addr, Identity::Node(id))?;
-        if let Some(old) = self.peers.lock().unwrap().insert(id, c.clone()) {
+        if let Some(old) = peers.insert(id, c.clone()) {
             old.close();
         }
         Ok(c)

@@ -32,6 +32,8 @@ use crate::wire::{self, Dec, Enc, Status};
 
 /// Timeout of one shard request.
 const SHARD_TIMEOUT: Duration = Duration::from_secs(10);
+/// Pause before sending a shard write again to a member that failed it.
+const RETRY_PAUSE: Duration = Duration::from_millis(250);
 /// Attempts of an op whose cached object state turned out stale.
 const OP_ATTEMPTS_MAX: u32 = 3;
 /// Objects whose state a PG keeps cached.
@@ -933,13 +935,16 @@ impl Node {
         let deadline = Instant::now() + Duration::from_millis(self.cfg.write_wait_ms);
         let min_size = ctx.pool.min_size as usize;
         let mut acked = 0u64;
-        let mut failed = 0u64; // tried at the current epoch and failed
+        let mut failed = 0u64; // tried recently and failed
+        let mut failed_at = Instant::now();
         let mut attempted_epoch = 0u64;
         let mut last_err = String::new();
         let mut ctx_map = ctx.map.clone();
         loop {
             let map = self.monc.map();
-            if map.epoch != attempted_epoch {
+            // A failed member is tried again when the map changes or after a pause (a
+            // connection that dropped comes back; a dead node gets marked down).
+            if map.epoch != attempted_epoch || failed_at.elapsed() >= RETRY_PAUSE {
                 failed = 0;
                 attempted_epoch = map.epoch;
                 ctx_map = map.clone();
@@ -990,6 +995,7 @@ impl Node {
                         Err(e) => {
                             last_err = format!("shard {slot}: {e}");
                             failed |= bit(slot);
+                            failed_at = Instant::now();
                         }
                     }
                 }
@@ -1027,8 +1033,7 @@ impl Node {
                 ));
             }
             // Wait for the map to change (a failed member marked down, or one coming back).
-            self.monc
-                .wait_change(attempted_epoch, Duration::from_millis(250));
+            self.monc.wait_change(attempted_epoch, RETRY_PAUSE);
         }
     }
 }
