@@ -19,3 +19,4 @@ pub mod monclient;
 pub mod monitor;
 pub mod node;
 pub mod ops;
+pub mod queue;

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use crossbeam::channel::{Receiver, Sender};
+use crate::queue::WaitQueue;
 use driver::{BlockDevice, FileDevice, FileOptions};
 use messenger::{Connection, Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret};
 use store::{MkfsOptions, Store, StoreConfig, Uuid};
@@ -68,8 +68,8 @@ pub struct Node {
     msgr: OnceLock<Arc<Messenger>>,
     peers: Mutex<HashMap<u32, Connection>>,
     pgs: Mutex<HashMap<(u64, u32), PgSlot>>,
-    run_tx: Sender<(u64, u32)>,
-    shard_tx: Sender<Incoming>,
+    run_q: Arc<WaitQueue<(u64, u32)>>,
+    shard_q: Arc<WaitQueue<Incoming>>,
     staging: Mutex<HashMap<(Identity, u64), Staged>>,
     codecs: Mutex<HashMap<ec::Profile, Arc<ec::Codec>>>,
     pub counters: Counters,
@@ -114,7 +114,7 @@ impl Dispatcher for NodeDispatcher {
             | wire::MSG_SHARD_READ
             | wire::MSG_SHARD_STAT
             | wire::MSG_SHARD_ROLLBACK => {
-                let _ = node.shard_tx.send(msg);
+                node.shard_q.push(msg);
             }
             t => {
                 let r = match t {
@@ -210,12 +210,12 @@ impl Node {
         slot.queue.push_back(msg);
         if !slot.running {
             slot.running = true;
-            let _ = self.run_tx.send(key);
+            self.run_q.push(key);
         }
     }
 
-    fn op_thread(self: Arc<Self>, rx: Receiver<(u64, u32)>) {
-        for key in rx {
+    fn op_thread(self: Arc<Self>) {
+        while let Some(key) = self.run_q.pop() {
             loop {
                 let (job, cache) = {
                     let mut pgs = self.pgs.lock().unwrap();
@@ -235,8 +235,8 @@ impl Node {
         }
     }
 
-    fn shard_thread(self: Arc<Self>, rx: Receiver<Incoming>) {
-        for mut msg in rx {
+    fn shard_thread(self: Arc<Self>) {
+        while let Some(mut msg) = self.shard_q.pop() {
             let r = self.shard_op(&msg);
             self.reply(&mut msg, r);
         }
@@ -508,8 +508,6 @@ pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
         .iter()
         .map(|s| Uuid(&s.label().device_uuid).to_string())
         .collect();
-    let (run_tx, run_rx) = crossbeam::channel::unbounded();
-    let (shard_tx, shard_rx) = crossbeam::channel::unbounded();
     let node = Arc::new(Node {
         id: cfg.id,
         cfg: cfg.clone(),
@@ -518,8 +516,8 @@ pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
         msgr: OnceLock::new(),
         peers: Mutex::new(HashMap::new()),
         pgs: Mutex::new(HashMap::new()),
-        run_tx,
-        shard_tx,
+        run_q: Arc::new(WaitQueue::new()),
+        shard_q: Arc::new(WaitQueue::new()),
         staging: Mutex::new(HashMap::new()),
         codecs: Mutex::new(HashMap::new()),
         counters: Counters::default(),
@@ -528,17 +526,17 @@ pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
     let _ = disp.node.set(node.clone());
     let addr = msgr.listen(cfg.listen)?;
     for i in 0..cfg.op_threads.max(1) {
-        let (n, rx) = (node.clone(), run_rx.clone());
+        let n = node.clone();
         std::thread::Builder::new()
             .name(format!("node-op-{i}"))
-            .spawn(move || n.op_thread(rx))
+            .spawn(move || n.op_thread())
             .map_err(|e| Error::io("spawn", e))?;
     }
     for i in 0..SHARD_THREADS {
-        let (n, rx) = (node.clone(), shard_rx.clone());
+        let n = node.clone();
         std::thread::Builder::new()
             .name(format!("node-shard-{i}"))
-            .spawn(move || n.shard_thread(rx))
+            .spawn(move || n.shard_thread())
             .map_err(|e| Error::io("spawn", e))?;
     }
     let r = monc.command(&MonCommand::Boot(NodeInfo {

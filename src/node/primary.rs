@@ -28,6 +28,7 @@ use crate::error::{Error, Result};
 use crate::map::{ClusterMap, PoolInfo};
 use crate::ops::{self, ClientOp, ObjStat, OpResult, SubOp};
 use crate::placement::{pg_of, Acting};
+use crate::queue::WaitQueue;
 use crate::wire::{self, Dec, Enc, Status};
 
 /// Timeout of one shard request.
@@ -265,12 +266,12 @@ impl Node {
         reqs: Vec<(usize, Vec<SendBuf>)>,
         local: &dyn Fn(usize, Vec<SendBuf>) -> Result<Payload>,
     ) -> Vec<(usize, Result<Payload>)> {
-        let (tx, rx) = crossbeam::channel::unbounded();
+        let replies = Arc::new(WaitQueue::new());
         let mut mine = Vec::new();
         let mut sent = 0;
         for (slot, parts) in reqs {
             let Some(node) = ctx.up(slot) else {
-                let _ = tx.send((slot, Err(Error::remote(Status::Unavailable, "member down"))));
+                replies.push((slot, Err(Error::remote(Status::Unavailable, "member down"))));
                 sent += 1;
                 continue;
             };
@@ -279,7 +280,7 @@ impl Node {
                 continue;
             }
             sent += 1;
-            let tx = tx.clone();
+            let tx = replies.clone();
             match self.peer(node) {
                 Ok(conn) => {
                     let msg = OutMessage { msg_type, parts };
@@ -288,11 +289,11 @@ impl Node {
                             let (_, res) = wire::parse_reply_epoch(&reply.payload);
                             res.map(|_| reply.payload.clone())
                         });
-                        let _ = tx.send((slot, r));
+                        tx.push((slot, r));
                     });
                 }
                 Err(e) => {
-                    let _ = tx.send((slot, Err(e)));
+                    replies.push((slot, Err(e)));
                 }
             }
         }
@@ -300,11 +301,11 @@ impl Node {
         for (slot, parts) in mine {
             out.push((slot, local(slot, parts)));
         }
-        drop(tx);
+        // Every request ends in exactly one callback (reply, timeout or connection loss).
         for _ in 0..sent {
-            match rx.recv() {
-                Ok(r) => out.push(r),
-                Err(_) => break,
+            match replies.pop() {
+                Some(r) => out.push(r),
+                None => break,
             }
         }
         out
