@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use messenger::{Connection, Identity, Messenger, OutMessage};
 
 use crate::error::{Error, Result};
-use crate::map::{ClusterMap, PoolInfo};
+use crate::map::{Change, ClusterMap, PoolInfo};
 use crate::monitor::raft::{MonCommand, MonResponse};
 use crate::monitor::{MapReply, NodeStats, StatusReport};
 use crate::placement::Acting;
@@ -34,6 +34,8 @@ pub struct MonClient {
     epoch: (Mutex<u64>, Condvar),
     /// PG placements computed at one epoch (placement hashing is not free on every op).
     placement: Mutex<PlacementMemo>,
+    /// Epoch of the last map change to any node's state (boot, up/down, in/out).
+    node_change_epoch: std::sync::atomic::AtomicU64,
 }
 
 impl MonClient {
@@ -47,6 +49,7 @@ impl MonClient {
             map: RwLock::new(Arc::new(ClusterMap::default())),
             epoch: (Mutex::new(0), Condvar::new()),
             placement: Mutex::new((0, HashMap::new())),
+            node_change_epoch: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -64,6 +67,14 @@ impl MonClient {
         c.1.entry((pool.id, pg))
             .or_insert_with(|| Arc::new(Acting::compute(map, pool, pg)))
             .clone()
+    }
+
+    /// Epoch of the last change to any node's state seen. A primary's cached view of its
+    /// PGs' objects is only trusted while this stays the same (it may have stopped being the
+    /// primary, or a member may have been down, in between).
+    pub fn node_change_epoch(&self) -> u64 {
+        self.node_change_epoch
+            .load(std::sync::atomic::Ordering::SeqCst)
     }
 
     pub fn epoch(&self) -> u64 {
@@ -118,8 +129,10 @@ impl MonClient {
         let mut ok = true;
         {
             let mut m = self.map.write().unwrap();
+            let mut node_change = None;
             if let Some(full) = r.full {
                 if full.epoch > m.epoch || m.fsid.is_empty() {
+                    node_change = Some(full.epoch);
                     *m = Arc::new(full);
                 }
             }
@@ -133,10 +146,21 @@ impl MonClient {
                     ok = false;
                     break;
                 }
+                if inc
+                    .changes
+                    .iter()
+                    .any(|c| !matches!(c, Change::PoolCreate(_) | Change::PoolDelete(_)))
+                {
+                    node_change = Some(inc.epoch);
+                }
                 changed = true;
             }
             if changed {
                 *m = Arc::new(next);
+            }
+            if let Some(e) = node_change {
+                self.node_change_epoch
+                    .store(e, std::sync::atomic::Ordering::SeqCst);
             }
             let mut e = self.epoch.0.lock().unwrap();
             *e = m.epoch;

@@ -63,6 +63,8 @@ impl ObjState {
 /// What a PG's primary remembers between ops (reset when the PG's members change).
 #[derive(Default)]
 pub struct PgCache {
+    /// `MonClient::node_change_epoch` when the cache was filled.
+    node_change_epoch: u64,
     members: Vec<Option<u32>>,
     objs: HashMap<Vec<u8>, ObjState>,
     seq: u32,
@@ -187,8 +189,13 @@ impl Node {
         let ctx = self.ctx(op)?;
         let m = check_ops(op)?;
         let mut c = cache.lock().unwrap();
-        if c.members != ctx.acting.members {
+        // Trust cached object states only while no node changed state since they were
+        // learnt: this node may have stopped being primary meanwhile (another one wrote), or a
+        // member may have missed writes.
+        let changed = self.monc.node_change_epoch();
+        if c.members != ctx.acting.members || c.node_change_epoch != changed {
             c.members = ctx.acting.members.clone();
+            c.node_change_epoch = changed;
             c.objs.clear();
         }
         let st = self.resolve(&ctx, &mut c, op.name)?;
@@ -949,6 +956,22 @@ impl Node {
                 failed = 0;
                 attempted_epoch = map.epoch;
                 ctx_map = map.clone();
+            }
+            if map.epoch != ctx.map.epoch {
+                if let Some(p) = map.pools.get(&ctx.pool.id) {
+                    let now = self.monc.acting(&map, p, ctx.pg);
+                    if now.primary != Some(self.id) || now.members != ctx.acting.members {
+                        // Not ours to finish: the new primary settles the object (it rolls an
+                        // incomplete write back or keeps it) and the client retries there.
+                        return Err(Error::remote(
+                            Status::WrongPrimary,
+                            format!(
+                                "pg {}.{:x} changed hands at epoch {} during the write",
+                                ctx.pool.id, ctx.pg, map.epoch
+                            ),
+                        ));
+                    }
+                }
             }
             let up = |s: usize| ctx.acting.members[s].is_some_and(|n| ctx_map.is_up(n));
             let todo: Vec<usize> = (0..ctx.n())
