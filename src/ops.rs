@@ -202,24 +202,52 @@ pub enum OpResult {
 pub fn encode_results(e: &mut Enc, version: u64, results: &[OpResult]) {
     e.u64(version).u16(results.len() as u16);
     for r in results {
-        match r {
-            OpResult::Stat(s) => {
-                e.u8(4).u64(s.size).u64(s.version).u64(s.mtime_unix_ns);
-            }
-            OpResult::Data(d) => {
-                e.u8(5).bytes(d);
-            }
-            OpResult::Xattr(v) => {
-                e.u8(6).bytes(v);
-            }
-            OpResult::Xattrs(list) => {
-                e.u8(7).u32(list.len() as u32);
-                for (k, v) in list {
-                    e.str(k).bytes(v);
-                }
+        encode_result(e, r);
+    }
+}
+
+fn encode_result(e: &mut Enc, r: &OpResult) {
+    match r {
+        OpResult::Stat(s) => {
+            e.u8(4).u64(s.size).u64(s.version).u64(s.mtime_unix_ns);
+        }
+        OpResult::Data(d) => {
+            e.u8(5).bytes(d);
+        }
+        OpResult::Xattr(v) => {
+            e.u8(6).bytes(v);
+        }
+        OpResult::Xattrs(list) => {
+            e.u8(7).u32(list.len() as u32);
+            for (k, v) in list {
+                e.str(k).bytes(v);
             }
         }
     }
+}
+
+/// [`encode_results`] after the bytes already in `e`, with read data as buffers of their own
+/// (sent without a copy). The bytes on the wire are the same.
+pub fn encode_results_parts(
+    mut e: Enc,
+    version: u64,
+    results: Vec<OpResult>,
+) -> Vec<messenger::SendBuf> {
+    let mut parts = Vec::new();
+    e.u64(version).u16(results.len() as u16);
+    for r in results {
+        match r {
+            OpResult::Data(d) => {
+                e.u8(5).u32(d.len() as u32);
+                parts.push(messenger::SendBuf::Vec(std::mem::take(&mut e.0)));
+                parts.push(messenger::SendBuf::Vec(d));
+            }
+            other => encode_result(&mut e, &other),
+        }
+    }
+    parts.push(messenger::SendBuf::Vec(e.0));
+    parts.retain(|p| !p.bytes().is_empty());
+    parts
 }
 
 pub fn decode_results(b: &[u8]) -> Result<(u64, Vec<OpResult>)> {
@@ -309,7 +337,10 @@ mod tests {
             OpResult::Xattrs(vec![("a".into(), vec![9])]),
         ];
         encode_results(&mut e, 42, &rs);
-        assert_eq!(decode_results(&e.0).unwrap(), (42, rs));
+        assert_eq!(decode_results(&e.0).unwrap(), (42, rs.clone()));
+        let parts = encode_results_parts(Enc::default(), 42, rs);
+        let joined: Vec<u8> = parts.iter().flat_map(|p| p.bytes().to_vec()).collect();
+        assert_eq!(joined, e.0, "the zero-copy form is the same bytes");
         assert!(check_name(&[0, 1]).is_err());
         assert!(check_name(&vec![b'a'; 1001]).unwrap_err().contains("1001"));
     }

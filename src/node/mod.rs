@@ -18,7 +18,9 @@ use std::time::{Duration, Instant};
 
 use crate::queue::WaitQueue;
 use driver::{BlockDevice, FileDevice, FileOptions};
-use messenger::{Connection, Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret};
+use messenger::{
+    Connection, Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret, SendBuf,
+};
 use store::{MkfsOptions, Store, StoreConfig, Uuid};
 use tracing::{info, warn};
 
@@ -138,14 +140,26 @@ impl Node {
     }
 
     pub fn reply(&self, msg: &mut Incoming, r: Result<Vec<u8>>) {
+        self.reply_parts(msg, r.map(|b| vec![SendBuf::Vec(b)]));
+    }
+
+    /// Reply with a payload made of several buffers (bulk data goes out without a copy).
+    pub fn reply_parts(&self, msg: &mut Incoming, r: Result<Vec<SendBuf>>) {
         if !msg.is_request() {
             return;
         }
-        let body = match r {
-            Ok(b) => b,
-            Err(e) => wire::reply_err(self.epoch(), e.status(), &e.message()),
+        let parts = match r {
+            Ok(p) => p,
+            Err(e) => vec![SendBuf::Vec(wire::reply_err(
+                self.epoch(),
+                e.status(),
+                &e.message(),
+            ))],
         };
-        let _ = msg.reply(OutMessage::new(wire::MSG_REPLY, body));
+        let _ = msg.reply(OutMessage {
+            msg_type: wire::MSG_REPLY,
+            parts,
+        });
     }
 
     pub fn codec(&self, p: ec::Profile) -> Arc<ec::Codec> {
@@ -230,7 +244,7 @@ impl Node {
                 };
                 let mut job = job;
                 let r = self.run_client_op(&job, &cache);
-                self.reply(&mut job, r);
+                self.reply_parts(&mut job, r);
             }
         }
     }
@@ -238,7 +252,7 @@ impl Node {
     fn shard_thread(self: Arc<Self>) {
         while let Some(mut msg) = self.shard_q.pop() {
             let r = self.shard_op(&msg);
-            self.reply(&mut msg, r);
+            self.reply_parts(&mut msg, r);
         }
     }
 
@@ -268,7 +282,7 @@ impl Node {
         Ok(())
     }
 
-    fn shard_op(&self, msg: &Incoming) -> Result<Vec<u8>> {
+    fn shard_op(&self, msg: &Incoming) -> Result<Vec<SendBuf>> {
         if !matches!(msg.peer(), Identity::Node(_)) {
             return Err(Error::remote(Status::Invalid, "shard ops are for nodes"));
         }
@@ -280,7 +294,7 @@ impl Node {
                 let w = ShardWrite::decode(&mut d)?;
                 self.check_shard_sender(msg, epoch, w.pool, w.pg)?;
                 self.local.apply(&w)?;
-                Ok(wire::reply_ok(self.epoch(), &[]))
+                Ok(vec![SendBuf::Vec(wire::reply_ok(self.epoch(), &[]))])
             }
             t => {
                 let pool = d.u64()?;
@@ -297,7 +311,8 @@ impl Node {
                         let len = d.u64()?;
                         d.end()?;
                         let data = self.local.read(pool, pg, name, shard, version, off, len)?;
-                        e.bytes(&data);
+                        e.u32(data.len() as u32);
+                        return Ok(vec![SendBuf::Vec(e.finish()), SendBuf::Vec(data)]);
                     }
                     wire::MSG_SHARD_STAT => {
                         d.end()?;
@@ -311,7 +326,7 @@ impl Node {
                             .encode(&mut e);
                     }
                 }
-                Ok(e.finish())
+                Ok(vec![SendBuf::Vec(e.finish())])
             }
         }
     }

@@ -123,7 +123,11 @@ struct Mutation<'a> {
 }
 
 impl Node {
-    pub(super) fn run_client_op(&self, job: &Incoming, cache: &Mutex<PgCache>) -> Result<Vec<u8>> {
+    pub(super) fn run_client_op(
+        &self,
+        job: &Incoming,
+        cache: &Mutex<PgCache>,
+    ) -> Result<Vec<SendBuf>> {
         let p: &[u8] = job.payload();
         let op = ClientOp::decode(p)?;
         if op.epoch > self.epoch() {
@@ -185,7 +189,7 @@ impl Node {
         op: &ClientOp,
         staged: Option<&[u8]>,
         cache: &Mutex<PgCache>,
-    ) -> Result<Vec<u8>> {
+    ) -> Result<Vec<SendBuf>> {
         let ctx = self.ctx(op)?;
         let m = check_ops(op)?;
         let mut c = cache.lock().unwrap();
@@ -258,8 +262,7 @@ impl Node {
         };
         let mut e = Enc::new(ctx.map.epoch);
         e.u16(Status::Ok as u16);
-        ops::encode_results(&mut e, version, &results);
-        Ok(e.finish())
+        Ok(ops::encode_results_parts(e, version, results))
     }
 
     // ---- shard requests -------------------------------------------------------------------
@@ -465,7 +468,7 @@ impl Node {
         name: &[u8],
         st: &ObjState,
         want: &[(usize, u64, u64)],
-    ) -> Result<HashMap<usize, Vec<u8>>> {
+    ) -> Result<HashMap<usize, Fetched>> {
         let reqs = want
             .iter()
             .map(|&(slot, off, len)| {
@@ -488,13 +491,20 @@ impl Node {
             let mut d = Dec::new(&p);
             d.u64()?;
             d.u16()?;
-            let data = d.bytes()?;
+            let n = d.u32()? as usize;
+            let at = d.pos();
+            if p.len() - at < n {
+                return Err(Error::Malformed("shard read reply is short".into()));
+            }
             let &(_, off, len) = want.iter().find(|w| w.0 == slot).expect("asked");
             let clip = ctx.clip(slot, st.size).saturating_sub(off).min(len) as usize;
-            let mut v = vec![0u8; len as usize];
-            let n = data.len().min(clip);
-            v[..n].copy_from_slice(&data[..n]);
-            out.insert(slot, v);
+            out.insert(
+                slot,
+                Fetched {
+                    data: p.slice(at, n.min(clip)),
+                    len: len as usize,
+                },
+            );
         }
         Ok(out)
     }
@@ -554,14 +564,14 @@ impl Node {
         let avail =
             |s: usize| st.current & bit(s) != 0 && excluded & bit(s) == 0 && ctx.up(s).is_some();
         let missing: Vec<usize> = ranges.keys().copied().filter(|s| !avail(*s)).collect();
-        let bufs: HashMap<usize, (u64, Vec<u8>)> = if missing.is_empty() {
+        let bufs: HashMap<usize, (u64, Fetched)> = if missing.is_empty() {
             let want: Vec<_> = ranges
                 .iter()
                 .map(|(s, (lo, hi))| (*s, *lo, hi - lo))
                 .collect();
             self.fetch(ctx, name, st, &want)?
                 .into_iter()
-                .map(|(s, v)| (s, (ranges[&s].0, v)))
+                .map(|(s, f)| (s, (ranges[&s].0, f)))
                 .collect()
         } else {
             let lo = ranges.values().map(|r| r.0).min().unwrap();
@@ -584,7 +594,11 @@ impl Node {
                 ));
             }
             let want: Vec<_> = sources.iter().map(|s| (*s, lo, hi - lo)).collect();
-            let got = self.fetch(ctx, name, st, &want)?;
+            let got: HashMap<usize, Vec<u8>> = self
+                .fetch(ctx, name, st, &want)?
+                .into_iter()
+                .map(|(s, f)| (s, f.padded()))
+                .collect();
             let mut wanted: HashMap<usize, Vec<u8>> = missing
                 .iter()
                 .map(|s| (*s, vec![0u8; (hi - lo) as usize]))
@@ -602,19 +616,17 @@ impl Node {
                 }
                 ctx.codec.reconstruct(&mut slots)?;
             }
-            let mut all: HashMap<usize, (u64, Vec<u8>)> =
-                got.into_iter().map(|(s, v)| (s, (lo, v))).collect();
-            for (s, v) in wanted {
-                all.insert(s, (lo, v));
-            }
-            all
+            got.into_iter()
+                .chain(wanted)
+                .map(|(s, v)| (s, (lo, Fetched::from_vec(v))))
+                .collect()
         };
         let mut out = vec![0u8; len as usize];
         for e in ctx.profile.extents(offset, len) {
             let (base, buf) = &bufs[&e.shard];
             let at = (e.shard_offset - base) as usize;
             let o = (e.object_offset - offset) as usize;
-            out[o..o + e.len].copy_from_slice(&buf[at..at + e.len]);
+            buf.copy_into(at, &mut out[o..o + e.len]);
         }
         Ok(out)
     }
@@ -843,7 +855,11 @@ impl Node {
         {
             return Ok(None);
         }
-        let old = self.fetch(ctx, name, st, &want)?;
+        let old: HashMap<usize, Vec<u8>> = self
+            .fetch(ctx, name, st, &want)?
+            .into_iter()
+            .map(|(s, f)| (s, f.padded()))
+            .collect();
         let mut new: BTreeMap<usize, Vec<u8>> = ranges
             .iter()
             .map(|(j, (lo, hi))| (*j, vec![0u8; (hi - lo) as usize]))
@@ -1059,6 +1075,37 @@ impl Node {
             // Wait for the map to change (a failed member marked down, or one coming back).
             self.monc.wait_change(attempted_epoch, RETRY_PAUSE);
         }
+    }
+}
+
+/// A shard range as read: the bytes the member returned (clipped to the shard's meaningful
+/// length; a view of the reply, not a copy) and the logical length, zeros past the bytes.
+struct Fetched {
+    data: Payload,
+    len: usize,
+}
+
+impl Fetched {
+    fn from_vec(v: Vec<u8>) -> Fetched {
+        let len = v.len();
+        Fetched {
+            data: Payload::from_vec(v),
+            len,
+        }
+    }
+
+    /// Bytes `[at, at + out.len())` into `out`.
+    fn copy_into(&self, at: usize, out: &mut [u8]) {
+        debug_assert!(at + out.len() <= self.len);
+        let have = self.data.len().saturating_sub(at).min(out.len());
+        out[..have].copy_from_slice(&self.data[at..at + have]);
+        out[have..].fill(0);
+    }
+
+    fn padded(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len];
+        self.copy_into(0, &mut v);
+        v
     }
 }
 
