@@ -130,6 +130,7 @@ impl LocalCluster {
                     heartbeat_ms: o.heartbeat_ms,
                     op_threads: o.op_threads,
                     write_wait_ms: o.write_wait_ms,
+                    busy_poll_us: 20,
                 },
             )?;
         }

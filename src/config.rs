@@ -92,6 +92,14 @@ pub struct NodeConfig {
     /// How long a write waits for enough shards before failing.
     #[serde(default = "default_write_wait_ms")]
     pub write_wait_ms: u64,
+    /// Messenger busy-poll window after activity, in µs (0: sleep at once). Short: many
+    /// node processes may share few cores.
+    #[serde(default = "default_busy_poll_us")]
+    pub busy_poll_us: u64,
+}
+
+fn default_busy_poll_us() -> u64 {
+    20
 }
 
 fn default_weight() -> u32 {

@@ -495,8 +495,7 @@ pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
     let msgr = Arc::new(Messenger::new(
         messenger::Config {
             payload_bytes_max: messenger::frame::PAYLOAD_BYTES_LIMIT,
-            // Many processes share few cores: sleep right away instead of spinning.
-            busy_poll: Duration::ZERO,
+            busy_poll: Duration::from_micros(cfg.busy_poll_us),
             ..messenger::Config::default()
         },
         Identity::Node(cfg.id),
