@@ -60,6 +60,10 @@ impl Default for LocalOptions {
 pub struct LocalCluster {
     pub dir: PathBuf,
     pub exe: PathBuf,
+    /// Start processes in their own process group, so a terminal's Ctrl-C to a later command
+    /// does not reach them (`cluster up`). Off for the demo and tests: an interrupted run takes
+    /// its cluster down with it.
+    pub detach: bool,
 }
 
 fn free_port() -> Result<u16> {
@@ -79,6 +83,7 @@ impl LocalCluster {
         LocalCluster {
             dir: dir.to_owned(),
             exe: exe.to_owned(),
+            detach: false,
         }
     }
 
@@ -210,7 +215,11 @@ impl LocalCluster {
             .append(true)
             .open(self.dir.join(format!("{member}.log")))
             .map_err(|e| Error::io("open log", e))?;
-        let child = Command::new(&self.exe)
+        let mut cmd = Command::new(&self.exe);
+        if self.detach {
+            std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        }
+        let child = cmd
             .args([what, "run", "--config"])
             .arg(self.dir.join(member).join(file))
             .env(
@@ -411,7 +420,8 @@ pub fn run_cluster(cmd: ClusterCommand) -> CliResult {
             device_size,
             pool,
         } => {
-            let lc = LocalCluster::new(&dir, &exe);
+            let mut lc = LocalCluster::new(&dir, &exe);
+            lc.detach = true;
             let fresh = !dir.join("cluster.key").exists();
             if fresh {
                 lc.create(&LocalOptions {
@@ -460,7 +470,9 @@ pub fn run_cluster(cmd: ClusterCommand) -> CliResult {
             Ok(ExitCode::SUCCESS)
         }
         ClusterCommand::Start { dir, member } => {
-            let pid = LocalCluster::new(&dir, &exe).start_member(&member)?;
+            let mut lc = LocalCluster::new(&dir, &exe);
+            lc.detach = true;
+            let pid = lc.start_member(&member)?;
             println!("{member} pid {pid}");
             Ok(ExitCode::SUCCESS)
         }
