@@ -929,7 +929,8 @@ impl Node {
         }
         let at = (off - base) as usize;
         buf[at..at + data.len()].copy_from_slice(data);
-        let mut shards = stripes_to_shards(ctx, &buf);
+        let stripes = buf.len() / ctx.profile.stripe_width() as usize;
+        let mut shards = stripes_to_shards(ctx, &buf, stripes);
         let s_off = s0 * u;
         for (slot, v) in shards.iter_mut().enumerate() {
             let keep = ctx
@@ -1189,16 +1190,17 @@ fn check_ops<'a>(op: &ClientOp<'a>) -> Result<Mutation<'a>> {
     Ok(m)
 }
 
-/// Shard-major layout of whole stripes: each slot's bytes for the stripes in `buf` (a whole
-/// number of stripes of object bytes), parity computed.
-fn stripes_to_shards(ctx: &Ctx, buf: &[u8]) -> Vec<Vec<u8>> {
+/// Shard-major layout of `stripes` whole stripes of object bytes taken from `buf` (zeros
+/// past its end), parity computed: each slot's bytes for those stripes.
+fn stripes_to_shards(ctx: &Ctx, buf: &[u8], stripes: usize) -> Vec<Vec<u8>> {
     let (k, u) = (ctx.k(), ctx.profile.stripe_unit());
     let w = k * u;
-    let stripes = buf.len() / w;
     let mut shards = vec![vec![0u8; stripes * u]; ctx.n()];
     for s in 0..stripes {
-        for j in 0..k {
-            shards[j][s * u..(s + 1) * u].copy_from_slice(&buf[s * w + j * u..s * w + (j + 1) * u]);
+        for (j, shard) in shards.iter_mut().enumerate().take(k) {
+            let from = (s * w + j * u).min(buf.len());
+            let to = (s * w + (j + 1) * u).min(buf.len());
+            shard[s * u..s * u + (to - from)].copy_from_slice(&buf[from..to]);
         }
     }
     let (data, parity) = shards.split_at_mut(k);
@@ -1213,17 +1215,7 @@ fn stripes_to_shards(ctx: &Ctx, buf: &[u8]) -> Vec<Vec<u8>> {
 /// Encode a whole object: every slot's shard, clipped to its meaningful bytes.
 fn encode_full(ctx: &Ctx, data: &[u8]) -> Vec<Vec<u8>> {
     let w = ctx.profile.stripe_width() as usize;
-    let stripes = data.len().div_ceil(w);
-    let padded: Vec<u8>;
-    let buf = if data.len() == stripes * w {
-        data
-    } else {
-        let mut p = vec![0u8; stripes * w];
-        p[..data.len()].copy_from_slice(data);
-        padded = p;
-        &padded[..]
-    };
-    let mut shards = stripes_to_shards(ctx, buf);
+    let mut shards = stripes_to_shards(ctx, data, data.len().div_ceil(w));
     for (slot, v) in shards.iter_mut().enumerate() {
         v.truncate(ctx.clip(slot, data.len() as u64) as usize);
     }
