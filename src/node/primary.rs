@@ -404,6 +404,18 @@ impl Node {
             let holders: Vec<usize> = (0..ctx.n())
                 .filter(|s| version(&states[*s]) == top && states[*s].is_some())
                 .collect();
+            let unknown = (0..ctx.n()).filter(|s| !known(&states, *s)).count();
+            if top == 0 && unknown >= ctx.k() {
+                // Enough silent members to hold a whole object: "absent" would be a guess.
+                return Err(Error::remote(
+                    Status::Unavailable,
+                    format!(
+                        "object {}: no answering member has it, but {unknown} member(s) do not \
+                         answer; retry when they are back",
+                        String::from_utf8_lossy(name)
+                    ),
+                ));
+            }
             if top == 0 {
                 let st = ObjState {
                     current: holders.iter().fold(0, |a, s| a | bit(*s)),
@@ -426,7 +438,6 @@ impl Node {
                 remember(c, name, &st);
                 return Ok(st);
             }
-            let unknown = (0..ctx.n()).filter(|s| !known(&states, *s)).count();
             if holders.len() + unknown >= ctx.pool.min_size as usize {
                 return Err(Error::remote(
                     Status::Unavailable,
