@@ -125,7 +125,8 @@ impl LocalCluster {
                 &NodeConfig {
                     id,
                     host: format!("host{id}"),
-                    listen: SocketAddr::from(([127, 0, 0, 1], free_port()?)),
+                    // Port 0: the node registers the port it got (no race for free ports).
+                    listen: SocketAddr::from(([127, 0, 0, 1], 0)),
                     monitors: mons.clone(),
                     key_file: key.clone(),
                     devices: vec![d.join("dev0.img").display().to_string()],
@@ -280,15 +281,38 @@ impl LocalCluster {
             match Client::from_config(&self.client_config()) {
                 Ok(c) => break c,
                 Err(e) if Instant::now() > deadline => return Err(e),
-                Err(_) => std::thread::sleep(Duration::from_millis(200)),
+                Err(e) => {
+                    if let Some(dead) = self.dead_member() {
+                        return Err(Error::Config(format!("{dead}\n(client: {e})")));
+                    }
+                    std::thread::sleep(Duration::from_millis(200))
+                }
             }
         };
         self.wait_nodes_up(&client, nodes, deadline)?;
         Ok(client)
     }
 
+    /// A started process that is gone, with the end of its log.
+    fn dead_member(&self) -> Option<String> {
+        for (m, pid) in self.pids() {
+            reap();
+            if !Self::alive(pid) {
+                let log =
+                    std::fs::read_to_string(self.dir.join(format!("{m}.log"))).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(5).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                return Some(format!("{m} (pid {pid}) exited:\n{}", tail.join("\n")));
+            }
+        }
+        None
+    }
+
     pub fn wait_nodes_up(&self, client: &Client, nodes: usize, deadline: Instant) -> Result<()> {
         loop {
+            if let Some(dead) = self.dead_member() {
+                return Err(Error::Config(dead));
+            }
             let _ = client.refresh_map();
             let m = client.map();
             let up = m.nodes.values().filter(|n| n.up && n.r#in).count();

@@ -83,6 +83,10 @@ pub struct ClusterMap {
     pub pools: BTreeMap<u64, PoolInfo>,
     /// Device uuid → node id.
     pub devices: BTreeMap<String, u32>,
+    /// Epoch of the last change that can move PG members (a node added, marked in or out,
+    /// or its host or weight changed). Before it a PG may have had other members.
+    #[serde(default)]
+    pub membership_epoch: u64,
 }
 
 impl ClusterMap {
@@ -110,10 +114,25 @@ impl ClusterMap {
             ));
         }
         for c in &inc.changes {
+            if self.moves_members(c) {
+                self.membership_epoch = inc.epoch;
+            }
             self.apply_change(c);
         }
         self.epoch = inc.epoch;
         Ok(())
+    }
+
+    fn moves_members(&self, c: &Change) -> bool {
+        match c {
+            Change::NodeBoot(n) => self
+                .nodes
+                .get(&n.id)
+                .is_none_or(|o| o.host != n.host || o.weight != n.weight || o.r#in != n.r#in),
+            Change::NodeIn(id) => self.nodes.get(id).is_some_and(|n| !n.r#in),
+            Change::NodeOut(id) => self.nodes.get(id).is_some_and(|n| n.r#in),
+            _ => false,
+        }
     }
 
     fn apply_change(&mut self, c: &Change) {
@@ -183,6 +202,16 @@ mod tests {
         assert!(!m.is_up(1));
         assert!(!m.nodes[&2].r#in);
         assert_eq!(m.epoch, 2);
+        assert_eq!(m.membership_epoch, 2, "out moves members; down does not");
+        m.apply(&Incremental {
+            epoch: 3,
+            changes: vec![Change::NodeBoot(node(1))],
+        })
+        .unwrap();
+        assert_eq!(
+            m.membership_epoch, 2,
+            "a restart on the same host moves nothing"
+        );
         let json = serde_json::to_string(&m).unwrap();
         assert_eq!(serde_json::from_str::<ClusterMap>(&json).unwrap(), m);
     }

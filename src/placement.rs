@@ -39,78 +39,110 @@ fn draw(seed: u64, weight: u64) -> f64 {
     u.ln() / weight as f64
 }
 
-struct Host<'a> {
+struct Host {
     key: u64,
+    /// Configured weight of all its nodes, in or out: marking a node out must not change the
+    /// draws of the PGs that do not involve it.
     weight: u64,
-    nodes: Vec<(u32, u64)>,
-    _name: &'a str,
+    /// (node, weight, in)
+    nodes: Vec<(u32, u64, bool)>,
 }
 
-fn hosts(map: &ClusterMap) -> Vec<Host<'_>> {
-    let mut by: BTreeMap<&str, Vec<(u32, u64)>> = BTreeMap::new();
-    for n in map.nodes.values().filter(|n| n.r#in && n.weight > 0) {
+impl Host {
+    fn has_in(&self) -> bool {
+        self.nodes.iter().any(|n| n.2)
+    }
+}
+
+fn hosts(map: &ClusterMap) -> Vec<Host> {
+    let mut by: BTreeMap<&str, Vec<(u32, u64, bool)>> = BTreeMap::new();
+    for n in map.nodes.values().filter(|n| n.weight > 0) {
         by.entry(n.host.as_str())
             .or_default()
-            .push((n.id, n.weight as u64));
+            .push((n.id, n.weight as u64, n.r#in));
     }
     by.into_iter()
         .map(|(name, nodes)| Host {
             key: hash_str(name),
             weight: nodes.iter().map(|n| n.1).sum(),
             nodes,
-            _name: name,
         })
         .collect()
 }
 
 /// The k + m members of a PG, slot by slot (`None`: no distinct host left for that slot).
+///
+/// Like CRUSH's `indep` mode, and stable under out/in: first every slot draws over all hosts,
+/// in or out, pass after pass (attempt p in pass p) until it wins a host no other slot holds;
+/// this phase does not look at in/out at all. Then each slot that won a host with no in node
+/// draws again among the usable hosts left. So when a node goes out only its slot changes;
+/// every other slot keeps its node, and with it the EC shard it holds.
 pub fn pg_members(map: &ClusterMap, pool: &PoolInfo, pg: u32) -> Vec<Option<u32>> {
     let hs = hosts(map);
     let base = mix(pool.id ^ mix(pg as u64 ^ 0x5047_0000_0000));
-    let mut taken: Vec<usize> = Vec::new();
-    let mut out = Vec::with_capacity(pool.size());
-    for slot in 0..pool.size() as u64 {
-        let mut chosen = None;
-        for attempt in 0..ATTEMPTS_MAX as u64 {
-            let seed = mix(base ^ (slot << 8) ^ (attempt << 40));
-            let best = hs
-                .iter()
-                .enumerate()
-                .map(|(i, h)| (i, draw(seed ^ h.key, h.weight)))
-                .max_by(|a, b| a.1.total_cmp(&b.1));
-            match best {
-                Some((i, _)) if !taken.contains(&i) => {
-                    chosen = Some(i);
-                    break;
+    let n = pool.size();
+    let best_of = |seed: u64, usable: &dyn Fn(usize) -> bool| {
+        hs.iter()
+            .enumerate()
+            .filter(|(i, _)| usable(*i))
+            .map(|(i, h)| (i, draw(seed ^ h.key, h.weight)))
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|(i, _)| i)
+    };
+    let mut chosen: Vec<Option<usize>> = vec![None; n];
+    for pass in 0..ATTEMPTS_MAX as u64 {
+        for slot in 0..n {
+            if chosen[slot].is_none() {
+                let seed = mix(base ^ ((slot as u64) << 8) ^ (pass << 40));
+                if let Some(i) = best_of(seed, &|_| true) {
+                    if !chosen.contains(&Some(i)) {
+                        chosen[slot] = Some(i);
+                    }
                 }
-                Some(_) => continue,
-                None => break,
             }
         }
-        if chosen.is_none() {
-            // Few hosts left: the best draw among the hosts not taken yet.
-            let seed = mix(base ^ (slot << 8) ^ ((ATTEMPTS_MAX as u64) << 40));
-            chosen = hs
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| !taken.contains(i))
-                .map(|(i, h)| (i, draw(seed ^ h.key, h.weight)))
-                .max_by(|a, b| a.1.total_cmp(&b.1))
-                .map(|(i, _)| i);
+        if chosen.iter().all(Option::is_some) {
+            break;
         }
-        out.push(chosen.map(|i| {
-            taken.push(i);
-            let h = &hs[i];
-            let seed = mix(base ^ (slot << 8) ^ 0xdead_beef);
-            h.nodes
-                .iter()
-                .map(|&(id, w)| (id, draw(seed ^ mix(id as u64), w)))
-                .max_by(|a, b| a.1.total_cmp(&b.1))
-                .map(|(id, _)| id)
-                .expect("a host in the list has an in node")
-        }));
     }
-    out
+    // Slots on hosts with no in node (or none found) draw again among the usable hosts left.
+    for slot in 0..n {
+        if chosen[slot].is_some_and(|i| hs[i].has_in()) {
+            continue;
+        }
+        chosen[slot] = None;
+        for pass in 0..=ATTEMPTS_MAX as u64 {
+            let seed = mix(base ^ ((slot as u64) << 8) ^ ((ATTEMPTS_MAX as u64 + pass) << 40));
+            let taken = chosen.clone();
+            let usable = |i: usize| hs[i].has_in() && !taken.contains(&Some(i));
+            let pick = if pass < ATTEMPTS_MAX as u64 {
+                best_of(seed, &|_| true).filter(|i| usable(*i))
+            } else {
+                best_of(seed, &usable)
+            };
+            if pick.is_some() {
+                chosen[slot] = pick;
+                break;
+            }
+        }
+    }
+    chosen
+        .iter()
+        .enumerate()
+        .map(|(slot, c)| {
+            c.map(|i| {
+                let seed = mix(base ^ ((slot as u64) << 8) ^ 0xdead_beef);
+                hs[i]
+                    .nodes
+                    .iter()
+                    .filter(|n| n.2)
+                    .map(|&(id, w, _)| (id, draw(seed ^ mix(id as u64), w)))
+                    .max_by(|a, b| a.1.total_cmp(&b.1))
+                    .map(|(id, _)| id)
+                    .expect("a chosen host has an in node")
+            })
+        })
+        .collect()
 }
 
 /// Where a PG stands under a map.
@@ -251,7 +283,12 @@ mod tests {
             let b = pg_members(&after, &p, pg);
             if a.contains(&Some(5)) {
                 assert!(!b.contains(&Some(5)));
-                // Slots that did not hold node 5 mostly keep their node.
+                // Every other slot keeps its node (and the shard it holds).
+                for (x, y) in a.iter().zip(&b) {
+                    if *x != Some(5) {
+                        assert_eq!(x, y, "pg {pg}: {a:?} -> {b:?}");
+                    }
+                }
                 moved += 1;
             } else {
                 assert_eq!(a, b, "pg {pg} does not involve node 5 but moved");

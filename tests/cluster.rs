@@ -466,6 +466,7 @@ fn three_monitors_keep_the_map_served_and_writable_when_the_leader_dies() {
         3,
         LocalOptions {
             down_grace_ms: 2000,
+            out_grace_ms: 3000,
             ..LocalOptions::default()
         },
     );
@@ -491,4 +492,24 @@ fn three_monitors_keep_the_map_served_and_writable_when_the_leader_dies() {
     h.lc.stop_member("node.4", true).unwrap();
     wait_down(c, &[4]);
     assert_eq!(c.get(p2, b"after").unwrap(), b"2");
+    // Down long enough, it is marked out: its PGs remap to the three nodes left, objects
+    // still read (from the shards that stayed) and writes go to the new members.
+    let t = Instant::now();
+    while c.map().nodes[&4].r#in {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "node.4 never marked out"
+        );
+        let _ = c.refresh_map();
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let m = c.map();
+    let p = &m.pools[&p2];
+    let a = nvstore::placement::Acting::compute(&m, p, nvstore::placement::pg_of(p, b"after"));
+    assert!(!a.members.contains(&Some(4)) && a.members.iter().all(|s| s.is_some()));
+    assert_eq!(c.get(p2, b"after").unwrap(), b"2");
+    c.put(p2, b"after-out", b"3").unwrap();
+    assert_eq!(c.get(p2, b"after-out").unwrap(), b"3");
+    c.write(p2, b"after", 1, b"+").unwrap();
+    assert_eq!(c.get(p2, b"after").unwrap(), b"2+");
 }

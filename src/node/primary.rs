@@ -438,16 +438,25 @@ impl Node {
                 remember(c, name, &st);
                 return Ok(st);
             }
-            if holders.len() + unknown >= ctx.pool.min_size as usize {
+            // Members that answer without `top` prove it was never acknowledged only if they
+            // were the members when it was written (its epoch is in the version): after a
+            // remap, the shards that acknowledged it may sit on nodes no longer asked.
+            let same_members = (top >> 32) >= ctx.map.membership_epoch;
+            if !same_members || holders.len() + unknown >= ctx.pool.min_size as usize {
                 return Err(Error::remote(
                     Status::Unavailable,
                     format!(
-                        "object {}: version {top} is on {} shard(s) (k = {}) and {unknown} \
-                         member(s) do not answer, so whether it was acknowledged is unknown; \
-                         retry when they are back",
+                        "object {}: version {top} is on {} shard(s) (k = {}), {unknown} \
+                         member(s) do not answer{}, so whether it was acknowledged is unknown; \
+                         retry when they are back (or after recovery)",
                         String::from_utf8_lossy(name),
                         holders.len(),
-                        ctx.k()
+                        ctx.k(),
+                        if same_members {
+                            ""
+                        } else {
+                            " and the PG's members changed since it was written"
+                        }
                     ),
                 ));
             }
