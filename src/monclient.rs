@@ -29,7 +29,8 @@ pub struct MonClient {
     msgr: Arc<Messenger>,
     monitors: Vec<SocketAddr>,
     cur: Mutex<usize>,
-    conns: Mutex<Vec<Option<Connection>>>,
+    /// One lock per monitor: a slow connect to one does not hold up the others.
+    conns: Vec<Mutex<Option<Connection>>>,
     map: RwLock<Arc<ClusterMap>>,
     epoch: (Mutex<u64>, Condvar),
     /// PG placements computed at one epoch (placement hashing is not free on every op).
@@ -45,7 +46,7 @@ impl MonClient {
             msgr,
             monitors,
             cur: Mutex::new(0),
-            conns: Mutex::new(vec![None; n]),
+            conns: (0..n).map(|_| Mutex::new(None)).collect(),
             map: RwLock::new(Arc::new(ClusterMap::default())),
             epoch: (Mutex::new(0), Condvar::new()),
             placement: Mutex::new((0, HashMap::new())),
@@ -84,8 +85,8 @@ impl MonClient {
     fn conn(&self, i: usize) -> Result<Connection> {
         // Held across the connect so racing threads share one connection. A connection that
         // is reconnecting is kept (the messenger brings it back); its requests fail meanwhile.
-        let mut conns = self.conns.lock().unwrap();
-        if let Some(c) = &conns[i] {
+        let mut slot = self.conns[i].lock().unwrap();
+        if let Some(c) = &*slot {
             if c.state() != "closed" {
                 return Ok(c.clone());
             }
@@ -94,7 +95,7 @@ impl MonClient {
             self.monitors[i],
             Identity::Node(MON_IDENTITY_BASE + i as u32 + 1),
         )?;
-        conns[i] = Some(c.clone());
+        *slot = Some(c.clone());
         Ok(c)
     }
 

@@ -26,6 +26,8 @@ use crate::placement::Acting;
 use crate::wire::{self, Dec, Enc, Status, MON_IDENTITY_BASE};
 use raft::{MonCommand, MonStore, Network, Raft};
 
+/// How long a map change may wait to be committed by a majority of monitors.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often the leader checks heartbeats.
 const LIVENESS_TICK: Duration = Duration::from_millis(200);
 
@@ -189,7 +191,17 @@ impl Monitor {
     /// Propose a command (this monitor must be the leader).
     fn command(&self, cmd: MonCommand) -> Result<raft::MonResponse> {
         use openraft::error::{ClientWriteError, RaftError};
-        match self.rt.block_on(self.raft().client_write(cmd)) {
+        let write = self.raft().client_write(cmd);
+        let r = self
+            .rt
+            .block_on(async { tokio::time::timeout(COMMAND_TIMEOUT, write).await })
+            .map_err(|_| {
+                Error::Monitor(format!(
+                    "no quorum: the change was not committed within {COMMAND_TIMEOUT:?} \
+                     (are a majority of monitors up?)"
+                ))
+            })?;
+        match r {
             Ok(r) => Ok(r.data),
             Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => Err(Error::remote(
                 Status::NotLeader,
