@@ -115,7 +115,9 @@ fn verify(
         let lost_data: Vec<usize> = lost.iter().copied().filter(|s| *s < p.k as usize).collect();
         let how = if lost.is_empty() {
             "all shards up".to_string()
-        } else if lost_data.is_empty() || data.is_empty() {
+        } else if data.is_empty() {
+            format!("shards {lost:?} down (empty object: nothing to decode)")
+        } else if lost_data.is_empty() {
             format!("shards {lost:?} down (parity only: no decode needed)")
         } else {
             format!("shards {lost:?} down: data shard(s) {lost_data:?} rebuilt from parity")
