@@ -1,4 +1,4 @@
-//! `nvstore bench`: the device benchmark now; cluster benchmarks when the cluster lands.
+//! `nvstore bench`: the device benchmark, and the cluster benchmarks (`bench_cluster`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -32,12 +32,12 @@ pub enum BenchCommand {
     /// The store's workloads (lone put latency, 4 KiB puts, 4 MiB writes, 4 KiB reads) on a
     /// device: a file, a block device or an NVMe PCI address
     Store(crate::storebench::StoreBenchArgs),
-    /// Cluster write benchmark (like rados bench write)
-    Write,
-    /// Cluster sequential read benchmark
-    Seq,
-    /// Cluster random read benchmark
-    Rand,
+    /// Cluster write benchmark (like rados bench write): whole-object puts
+    Write(crate::bench_cluster::ClusterBenchArgs),
+    /// Cluster sequential read benchmark over the objects a `write` run left
+    Seq(crate::bench_cluster::ClusterBenchArgs),
+    /// Cluster random read benchmark over the objects a `write` run left
+    Rand(crate::bench_cluster::ClusterBenchArgs),
 }
 
 pub fn run_bench(cmd: BenchCommand) -> Result<ExitCode, Box<dyn std::error::Error>> {
@@ -50,9 +50,9 @@ pub fn run_bench(cmd: BenchCommand) -> Result<ExitCode, Box<dyn std::error::Erro
             no_fio,
         } => device(path, size_mb, seconds, rounds as usize, no_fio),
         BenchCommand::Store(a) => crate::storebench::run(a),
-        BenchCommand::Write | BenchCommand::Seq | BenchCommand::Rand => {
-            Ok(crate::cli::not_built("bench write|seq|rand", 7))
-        }
+        BenchCommand::Write(a) => crate::bench_cluster::run(crate::bench_cluster::Mode::Write, a),
+        BenchCommand::Seq(a) => crate::bench_cluster::run(crate::bench_cluster::Mode::Seq, a),
+        BenchCommand::Rand(a) => crate::bench_cluster::run(crate::bench_cluster::Mode::Rand, a),
     }
 }
 

@@ -29,50 +29,48 @@ pub enum Command {
     Mkfs(crate::storecli::MkfsArgs),
     /// Inspect or repair a device's store offline: info, ls, stat, get, put, fsck
     StoreTool(crate::storecli::StoreToolArgs),
-    /// Run a storage node
+    /// Run a storage node: node run --config node.toml
     Node {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
+        #[command(subcommand)]
+        cmd: NodeCommand,
     },
-    /// Start and stop a local cluster; pools
+    /// Run a monitor: monitor run --config monitor.toml
+    Monitor {
+        #[command(subcommand)]
+        cmd: MonitorCommand,
+    },
+    /// Start and stop a local cluster on loopback (up, down, stop, start)
     Cluster {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
+        #[command(subcommand)]
+        cmd: crate::cluster_cmd::ClusterCommand,
+    },
+    /// Pools: create, ls
+    Pool {
+        #[command(subcommand)]
+        cmd: crate::cluster_cmd::PoolCommand,
     },
     /// Store an object: put POOL NAME [FILE]
-    Put {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
+    Put(crate::cluster_cmd::ObjArgs),
     /// Fetch an object: get POOL NAME [FILE]
-    Get {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
-    /// Show an object's size, version and checksum
-    Stat {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
-    /// Remove an object
-    Rm {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
-    /// List a pool's objects
-    Ls {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
-    /// Benchmarks: devices now; the cluster (write/seq/rand) later
+    Get(crate::cluster_cmd::ObjArgs),
+    /// Show an object's size and version: stat POOL NAME
+    Stat(crate::cluster_cmd::ObjArgs),
+    /// Remove an object: rm POOL NAME
+    Rm(crate::cluster_cmd::ObjArgs),
+    /// List a pool's objects: ls POOL
+    Ls(crate::cluster_cmd::LsArgs),
+    /// Benchmarks: devices, and the cluster (write/seq/rand, like rados bench)
     Bench {
         #[command(subcommand)]
         what: crate::bench::BenchCommand,
     },
-    /// Cluster health, map, PG states, IO rates, recovery progress
+    /// Cluster health, map, PG states, IO rates
     Status {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
+        /// JSON instead of text
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        conf: crate::cluster_cmd::ConfArg,
     },
     /// Dump or reset a node's performance counters
     Perf {
@@ -85,9 +83,24 @@ pub enum Command {
         args: Vec<String>,
     },
     /// Start an 8-node local cluster, write, kill nodes, read degraded, heal, clean up
-    Demo {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
+    Demo(crate::demo::DemoArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum NodeCommand {
+    /// Run the node in the foreground until killed
+    Run {
+        #[arg(long)]
+        config: std::path::PathBuf,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum MonitorCommand {
+    /// Run the monitor in the foreground until killed
+    Run {
+        #[arg(long)]
+        config: std::path::PathBuf,
     },
 }
 
@@ -114,17 +127,29 @@ pub fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
         Command::Device { what } => crate::device::run(what)?,
         Command::Mkfs(a) => crate::storecli::run_mkfs(a)?,
         Command::StoreTool(a) => crate::storecli::run_store_tool(a)?,
-        Command::Node { .. } => not_built("node", 7),
-        Command::Cluster { .. } => not_built("cluster", 7),
-        Command::Put { .. } => not_built("put", 7),
-        Command::Get { .. } => not_built("get", 7),
-        Command::Stat { .. } => not_built("stat", 7),
-        Command::Rm { .. } => not_built("rm", 7),
-        Command::Ls { .. } => not_built("ls", 7),
+        Command::Node {
+            cmd: NodeCommand::Run { config },
+        } => {
+            crate::node::run(crate::config::NodeConfig::load(&config)?)?;
+            ExitCode::SUCCESS
+        }
+        Command::Monitor {
+            cmd: MonitorCommand::Run { config },
+        } => {
+            crate::monitor::run(crate::config::MonitorConfig::load(&config)?)?;
+            ExitCode::SUCCESS
+        }
+        Command::Cluster { cmd } => crate::cluster_cmd::run_cluster(cmd)?,
+        Command::Pool { cmd } => crate::cluster_cmd::run_pool(cmd)?,
+        Command::Put(a) => crate::cluster_cmd::run_obj("put", a)?,
+        Command::Get(a) => crate::cluster_cmd::run_obj("get", a)?,
+        Command::Stat(a) => crate::cluster_cmd::run_obj("stat", a)?,
+        Command::Rm(a) => crate::cluster_cmd::run_obj("rm", a)?,
+        Command::Ls(a) => crate::cluster_cmd::run_ls(a)?,
         Command::Bench { what } => crate::bench::run_bench(what)?,
-        Command::Status { .. } => not_built("status", 7),
+        Command::Status { json, conf } => crate::cluster_cmd::run_status(&conf.conf, json)?,
         Command::Perf { .. } => not_built("perf", 8),
         Command::SlowOps { .. } => not_built("slow-ops", 8),
-        Command::Demo { .. } => not_built("demo", 7),
+        Command::Demo(a) => crate::demo::run(a)?,
     })
 }

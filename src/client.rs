@@ -1,0 +1,463 @@
+//! `nvstore::Client`: the Rust API applications use, like librados.
+//!
+//! Connect with monitor addresses and the cluster key; the client keeps the map current
+//! (pushes plus a poll), sends each op to its PG's primary, and when the primary changed (or
+//! died) waits for the map to say who leads now and retries there, until the op's deadline.
+//!
+//! Retries resend the request: a write whose reply was lost may apply twice, which is
+//! harmless for write_full/write/remove/xattrs but not for append (no request-id dedup yet).
+
+use std::collections::{BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use messenger::{Connection, Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret};
+
+use crate::config::ClientConfig;
+use crate::error::{Error, Result};
+use crate::map::ClusterMap;
+use crate::monclient::MonClient;
+use crate::monitor::raft::MonCommand;
+use crate::monitor::StatusReport;
+use crate::ops::{self, ClientOp, ObjStat, OpResult, SubOp};
+use crate::placement::pg_of;
+use crate::wire::{self, Dec, Enc, Status};
+
+struct ClientDispatcher(OnceLock<Arc<MonClient>>);
+
+impl Dispatcher for ClientDispatcher {
+    fn handle(&self, msg: Incoming) {
+        if msg.msg_type() == wire::MSG_MON_MAP_PUSH {
+            if let Some(m) = self.0.get() {
+                m.handle_push(msg.payload());
+            }
+        }
+    }
+}
+
+/// A connection to an nvstore cluster. Cheap to share (`&Client` from many threads).
+pub struct Client {
+    msgr: Arc<Messenger>,
+    monc: Arc<MonClient>,
+    conns: Mutex<HashMap<u32, Connection>>,
+    timeout: Duration,
+    next_upload: AtomicU64,
+}
+
+impl Client {
+    pub fn from_config(path: &Path) -> Result<Client> {
+        let c = ClientConfig::load(path)?;
+        Client::connect(
+            &c.monitors,
+            &Secret::load(&c.key_file)?,
+            Duration::from_millis(c.op_timeout_ms),
+        )
+    }
+
+    /// Connect to the cluster whose monitors are at `monitors`.
+    pub fn connect(
+        monitors: &[SocketAddr],
+        secret: &Secret,
+        op_timeout: Duration,
+    ) -> Result<Client> {
+        let disp = Arc::new(ClientDispatcher(OnceLock::new()));
+        let id = rand::random::<u32>() & 0x3fff_ffff;
+        let msgr = Arc::new(Messenger::new(
+            messenger::Config {
+                workers: 1,
+                handler_threads: 1,
+                payload_bytes_max: messenger::frame::PAYLOAD_BYTES_LIMIT,
+                // Many processes share few cores: sleep right away instead of spinning.
+                busy_poll: Duration::ZERO,
+                ..messenger::Config::default()
+            },
+            Identity::Client(id),
+            secret.clone(),
+            disp.clone(),
+        )?);
+        let monc = MonClient::new(msgr.clone(), monitors.to_vec());
+        let _ = disp.0.set(monc.clone());
+        monc.subscribe()?;
+        monc.start_poller();
+        Ok(Client {
+            msgr,
+            monc,
+            conns: Mutex::new(HashMap::new()),
+            timeout: op_timeout,
+            next_upload: AtomicU64::new(rand::random::<u64>() >> 1),
+        })
+    }
+
+    pub fn map(&self) -> Arc<ClusterMap> {
+        self.monc.map()
+    }
+
+    pub fn status(&self) -> Result<StatusReport> {
+        self.monc.status()
+    }
+
+    /// Wait until the map is at least at `epoch`.
+    pub fn wait_epoch(&self, epoch: u64, timeout: Duration) -> bool {
+        self.monc.wait_epoch(epoch, timeout)
+    }
+
+    /// Refresh the map from the monitors now.
+    pub fn refresh_map(&self) -> Result<u64> {
+        self.monc.subscribe()
+    }
+
+    pub fn command(&self, cmd: &MonCommand) -> Result<crate::monitor::raft::MonResponse> {
+        self.monc.command(cmd)
+    }
+
+    /// Create an EC pool; returns its id.
+    pub fn create_pool(
+        &self,
+        name: &str,
+        k: u32,
+        m: u32,
+        stripe_unit: u32,
+        pg_num: u32,
+        min_size: Option<u32>,
+    ) -> Result<u64> {
+        let r = self.monc.command(&MonCommand::CreatePool {
+            name: name.into(),
+            k,
+            m,
+            stripe_unit,
+            pg_num,
+            min_size,
+        })?;
+        if !r.ok {
+            return Err(Error::remote(Status::Invalid, r.message));
+        }
+        self.pool_id(name)
+    }
+
+    pub fn pool_id(&self, name: &str) -> Result<u64> {
+        if let Some(p) = self.map().pool_by_name(name) {
+            return Ok(p.id);
+        }
+        self.monc.subscribe()?;
+        self.map()
+            .pool_by_name(name)
+            .map(|p| p.id)
+            .ok_or_else(|| Error::remote(Status::NoSuchPool, format!("no pool named {name:?}")))
+    }
+
+    fn conn(&self, node: u32, addr: SocketAddr) -> Result<Connection> {
+        // Held across the connect so racing threads share one connection.
+        let mut conns = self.conns.lock().unwrap();
+        if let Some(c) = conns.get(&node) {
+            if c.peer_addr() == addr {
+                return Ok(c.clone());
+            }
+        }
+        let c = self.msgr.connect(addr, Identity::Node(node))?;
+        if let Some(old) = conns.insert(node, c.clone()) {
+            old.close();
+        }
+        Ok(c)
+    }
+
+    /// Run `f(primary connection, epoch)` against the primary of (pool, name), retrying on
+    /// primary changes and lost connections until the op deadline.
+    fn with_primary<T>(
+        &self,
+        pool: u64,
+        name: &[u8],
+        mut f: impl FnMut(&Connection, u64, Duration) -> Result<T>,
+    ) -> Result<T> {
+        let deadline = Instant::now() + self.timeout;
+        let mut last = String::from("no attempt");
+        let mut refreshed = false;
+        loop {
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout {
+                    what: format!("op on {pool}/{}: {last}", String::from_utf8_lossy(name)),
+                    secs: self.timeout.as_secs_f64(),
+                });
+            }
+            let map = self.map();
+            let Some(p) = map.pools.get(&pool) else {
+                if !refreshed {
+                    refreshed = true;
+                    let _ = self.monc.subscribe();
+                    continue;
+                }
+                return Err(Error::remote(
+                    Status::NoSuchPool,
+                    format!("no pool with id {pool} at epoch {}", map.epoch),
+                ));
+            };
+            let a = self.monc.acting(&map, p, pg_of(p, name));
+            let Some(primary) = a.primary else {
+                last = format!("pg {pool}.{:x} has no up member", a.pg);
+                self.monc.wait_change(map.epoch, Duration::from_millis(500));
+                continue;
+            };
+            let addr = map.nodes[&primary].addr;
+            let r = self.conn(primary, addr).and_then(|c| {
+                f(
+                    &c,
+                    map.epoch,
+                    deadline.saturating_duration_since(Instant::now()),
+                )
+            });
+            match r {
+                Ok(v) => return Ok(v),
+                Err(Error::Remote { status, message })
+                    if matches!(status, Status::WrongPrimary | Status::StaleEpoch)
+                        || (status == Status::Io && message == "node is starting") =>
+                {
+                    last = format!("node {primary}: {message}");
+                    let _ = self.monc.subscribe();
+                    self.monc.wait_change(map.epoch, Duration::from_millis(200));
+                }
+                Err(Error::Messenger(e)) => {
+                    // The primary is unreachable: wait for the monitors to mark it down.
+                    last = format!("node {primary}: {e}");
+                    self.monc.wait_change(map.epoch, Duration::from_millis(500));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Apply sub-ops to one object atomically (see [`crate::ops`]). Returns the object's
+    /// version after the request and one result per read sub-op.
+    pub fn op(&self, pool: u64, name: &[u8], sub: &[SubOp]) -> Result<(u64, Vec<OpResult>)> {
+        self.op_flags(pool, name, sub, 0, 0)
+    }
+
+    fn op_flags(
+        &self,
+        pool: u64,
+        name: &[u8],
+        sub: &[SubOp],
+        flags: u32,
+        upload: u64,
+    ) -> Result<(u64, Vec<OpResult>)> {
+        ops::check_name(name).map_err(|m| Error::remote(Status::Invalid, m))?;
+        self.with_primary(pool, name, |c, epoch, left| {
+            let msg = ClientOp {
+                epoch,
+                pool,
+                name,
+                flags,
+                upload_id: upload,
+                ops: sub.to_vec(),
+            }
+            .encode();
+            let reply = c.request(OutMessage::new(wire::MSG_CLIENT_OP, msg), left)?;
+            let (e, body) = wire::parse_reply_epoch(&reply.payload);
+            if e > self.monc.epoch() {
+                let _ = self.monc.subscribe();
+            }
+            ops::decode_results(body?)
+        })
+    }
+
+    /// Replace an object's content (any size up to 64 MiB; large ones are staged in parts on
+    /// the primary first). Returns the new version.
+    pub fn put(&self, pool: u64, name: &[u8], data: &[u8]) -> Result<u64> {
+        if data.len() <= ops::MESSAGE_DATA_BYTES_MAX {
+            return Ok(self.op(pool, name, &[SubOp::WriteFull(data)])?.0);
+        }
+        if data.len() as u64 > ops::OBJECT_BYTES_MAX {
+            return Err(Error::remote(
+                Status::TooLarge,
+                format!(
+                    "object of {} bytes; the maximum is {}",
+                    data.len(),
+                    ops::OBJECT_BYTES_MAX
+                ),
+            ));
+        }
+        ops::check_name(name).map_err(|m| Error::remote(Status::Invalid, m))?;
+        let split = data.len() - data.len() % ops::MESSAGE_DATA_BYTES_MAX.max(1);
+        let split = if split == data.len() {
+            split - ops::MESSAGE_DATA_BYTES_MAX
+        } else {
+            split
+        };
+        let (staged, tail) = data.split_at(split);
+        self.with_primary(pool, name, |c, epoch, left| {
+            let upload = self.next_upload.fetch_add(1, Relaxed);
+            for (i, part) in staged.chunks(ops::MESSAGE_DATA_BYTES_MAX).enumerate() {
+                let mut e = Enc::new(epoch);
+                e.u64(upload)
+                    .u64((i * ops::MESSAGE_DATA_BYTES_MAX) as u64)
+                    .bytes(part);
+                let reply = c.request(OutMessage::new(wire::MSG_CLIENT_STAGE, e.finish()), left)?;
+                wire::parse_reply(&reply.payload)?;
+            }
+            let msg = ClientOp {
+                epoch,
+                pool,
+                name,
+                flags: ops::FLAG_STAGED,
+                upload_id: upload,
+                ops: vec![SubOp::WriteFull(tail)],
+            }
+            .encode();
+            let reply = c.request(OutMessage::new(wire::MSG_CLIENT_OP, msg), left)?;
+            let (_, body) = wire::parse_reply_epoch(&reply.payload);
+            Ok(ops::decode_results(body?)?.0)
+        })
+    }
+
+    pub fn stat(&self, pool: u64, name: &[u8]) -> Result<ObjStat> {
+        match self.op(pool, name, &[SubOp::Stat])?.1.pop() {
+            Some(OpResult::Stat(s)) => Ok(s),
+            other => Err(Error::Malformed(format!("stat returned {other:?}"))),
+        }
+    }
+
+    /// Bytes `[offset, offset + len)` (clamped to the object's size), read in message-sized
+    /// pieces all at one version.
+    pub fn get_range(&self, pool: u64, name: &[u8], offset: u64, len: u64) -> Result<Vec<u8>> {
+        if len <= ops::MESSAGE_DATA_BYTES_MAX as u64 {
+            return match self.op(pool, name, &[SubOp::Read { offset, len }])?.1.pop() {
+                Some(OpResult::Data(d)) => Ok(d),
+                other => Err(Error::Malformed(format!("read returned {other:?}"))),
+            };
+        }
+        for _ in 0..8 {
+            let st = self.stat(pool, name)?;
+            let end = offset.saturating_add(len).min(st.size);
+            let mut out = Vec::with_capacity(end.saturating_sub(offset) as usize);
+            let mut at = offset;
+            let mut raced = false;
+            while at < end {
+                let n = (end - at).min(ops::MESSAGE_DATA_BYTES_MAX as u64);
+                match self.op(
+                    pool,
+                    name,
+                    &[
+                        SubOp::AssertVersion(st.version),
+                        SubOp::Read { offset: at, len: n },
+                    ],
+                ) {
+                    Ok((_, mut r)) => match r.pop() {
+                        Some(OpResult::Data(d)) => out.extend_from_slice(&d),
+                        other => return Err(Error::Malformed(format!("read returned {other:?}"))),
+                    },
+                    Err(Error::Remote {
+                        status: Status::VersionMismatch,
+                        ..
+                    }) => {
+                        raced = true;
+                        break;
+                    }
+                    Err(e) => return Err(e),
+                }
+                at += n;
+            }
+            if !raced {
+                return Ok(out);
+            }
+        }
+        Err(Error::remote(
+            Status::VersionMismatch,
+            "object kept changing during a multi-part read",
+        ))
+    }
+
+    /// The whole object.
+    pub fn get(&self, pool: u64, name: &[u8]) -> Result<Vec<u8>> {
+        self.get_range(pool, name, 0, ops::OBJECT_BYTES_MAX)
+    }
+
+    pub fn write(&self, pool: u64, name: &[u8], offset: u64, data: &[u8]) -> Result<u64> {
+        Ok(self.op(pool, name, &[SubOp::Write { offset, data }])?.0)
+    }
+
+    pub fn append(&self, pool: u64, name: &[u8], data: &[u8]) -> Result<u64> {
+        Ok(self.op(pool, name, &[SubOp::Append(data)])?.0)
+    }
+
+    pub fn remove(&self, pool: u64, name: &[u8]) -> Result<u64> {
+        Ok(self.op(pool, name, &[SubOp::Remove])?.0)
+    }
+
+    pub fn set_xattr(&self, pool: u64, name: &[u8], key: &str, value: &[u8]) -> Result<u64> {
+        Ok(self.op(pool, name, &[SubOp::SetXattr(key, value)])?.0)
+    }
+
+    pub fn rm_xattr(&self, pool: u64, name: &[u8], key: &str) -> Result<u64> {
+        Ok(self.op(pool, name, &[SubOp::RmXattr(key)])?.0)
+    }
+
+    pub fn get_xattr(&self, pool: u64, name: &[u8], key: &str) -> Result<Vec<u8>> {
+        match self.op(pool, name, &[SubOp::GetXattr(key)])?.1.pop() {
+            Some(OpResult::Xattr(v)) => Ok(v),
+            other => Err(Error::Malformed(format!("getxattr returned {other:?}"))),
+        }
+    }
+
+    pub fn xattrs(&self, pool: u64, name: &[u8]) -> Result<Vec<(String, Vec<u8>)>> {
+        match self.op(pool, name, &[SubOp::GetXattrs])?.1.pop() {
+            Some(OpResult::Xattrs(v)) => Ok(v),
+            other => Err(Error::Malformed(format!("getxattrs returned {other:?}"))),
+        }
+    }
+
+    /// Objects of a pool with their stats, in name order. Asks every up node which names it
+    /// holds shards of, then stats each through its primary (so only objects that exist at
+    /// their authoritative version are listed).
+    pub fn list(&self, pool: u64) -> Result<Vec<(Vec<u8>, ObjStat)>> {
+        let map = self.map();
+        if !map.pools.contains_key(&pool) {
+            return Err(Error::remote(
+                Status::NoSuchPool,
+                format!("no pool with id {pool}"),
+            ));
+        }
+        let mut names = BTreeSet::new();
+        for n in map.nodes.values().filter(|n| n.up) {
+            let mut after: Vec<u8> = Vec::new();
+            loop {
+                let c = self.conn(n.id, n.addr)?;
+                let mut e = Enc::new(map.epoch);
+                e.u64(pool).bytes(&after).u32(1000);
+                let reply = c.request(
+                    OutMessage::new(wire::MSG_CLIENT_LIST, e.finish()),
+                    self.timeout,
+                )?;
+                let (_, body) = wire::parse_reply(&reply.payload)?;
+                let mut d = Dec::new(body);
+                let count = d.u32()?;
+                for _ in 0..count {
+                    after = d.bytes()?.to_vec();
+                    names.insert(after.clone());
+                }
+                if count < 1000 {
+                    break;
+                }
+            }
+        }
+        let mut out = Vec::new();
+        for name in names {
+            match self.stat(pool, &name) {
+                Ok(s) => out.push((name, s)),
+                Err(Error::Remote {
+                    status: Status::NotFound,
+                    ..
+                }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.msgr.shutdown();
+    }
+}

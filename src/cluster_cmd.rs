@@ -1,0 +1,688 @@
+//! A local cluster on loopback (`nvstore cluster up/down`), and the client commands
+//! (`status`, `pool create`, `put`, `get`, `stat`, `rm`, `ls`).
+//!
+//! `cluster up --dir DIR` lays out:
+//! ```text
+//! DIR/cluster.key            the cluster secret (mode 0600)
+//! DIR/client.toml            what clients need (monitors, key)
+//! DIR/mon.N/monitor.toml     monitor N's config; its raft files next to it
+//! DIR/node.N/node.toml       node N's config; its device file dev0.img next to it
+//! DIR/pids                   "mon.N PID" / "node.N PID" of the processes started
+//! DIR/*.log                  each process's stderr
+//! ```
+//! Running `up` again on the same directory restarts the recorded processes with their data.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use messenger::Secret;
+
+use crate::config::{write_toml, ClientConfig, MonitorConfig, NodeConfig};
+use crate::error::{Error, Result};
+use crate::Client;
+
+/// How long `up` waits for every node to be up in the map.
+const UP_WAIT: Duration = Duration::from_secs(90);
+
+/// Options of a local cluster.
+#[derive(Debug, Clone)]
+pub struct LocalOptions {
+    pub nodes: u32,
+    pub monitors: u32,
+    pub device_bytes: u64,
+    pub down_grace_ms: u64,
+    pub out_grace_ms: u64,
+    pub heartbeat_ms: u64,
+    pub write_wait_ms: u64,
+    pub op_threads: usize,
+}
+
+impl Default for LocalOptions {
+    fn default() -> Self {
+        LocalOptions {
+            nodes: 8,
+            monitors: 1,
+            device_bytes: 2 << 30,
+            down_grace_ms: 4000,
+            out_grace_ms: 600_000,
+            heartbeat_ms: 500,
+            write_wait_ms: 10_000,
+            op_threads: 8,
+        }
+    }
+}
+
+/// A cluster of monitor and node processes on this machine.
+pub struct LocalCluster {
+    pub dir: PathBuf,
+    pub exe: PathBuf,
+    /// Start processes in their own process group, so a terminal's Ctrl-C to a later command
+    /// does not reach them (`cluster up`). Off for the demo and tests: an interrupted run takes
+    /// its cluster down with it.
+    pub detach: bool,
+}
+
+fn free_port() -> Result<u16> {
+    let l = TcpListener::bind("127.0.0.1:0").map_err(|e| Error::io("bind a free port", e))?;
+    Ok(l.local_addr()
+        .map_err(|e| Error::io("local addr", e))?
+        .port())
+}
+
+fn random_uuid() -> String {
+    let b: [u8; 16] = rand::random();
+    store::Uuid(&b).to_string()
+}
+
+impl LocalCluster {
+    pub fn new(dir: &Path, exe: &Path) -> LocalCluster {
+        LocalCluster {
+            dir: dir.to_owned(),
+            exe: exe.to_owned(),
+            detach: false,
+        }
+    }
+
+    pub fn client_config(&self) -> PathBuf {
+        self.dir.join("client.toml")
+    }
+
+    /// Write configs for a new cluster (nothing is started).
+    pub fn create(&self, o: &LocalOptions) -> Result<()> {
+        std::fs::create_dir_all(&self.dir)
+            .map_err(|e| Error::io(format!("{}", self.dir.display()), e))?;
+        let key = self.dir.join("cluster.key");
+        Secret::generate().save(&key)?;
+        let fsid = random_uuid();
+        let mons: Vec<SocketAddr> = (0..o.monitors)
+            .map(|_| Ok(SocketAddr::from(([127, 0, 0, 1], free_port()?))))
+            .collect::<Result<_>>()?;
+        for id in 1..=o.monitors {
+            let d = self.dir.join(format!("mon.{id}"));
+            std::fs::create_dir_all(&d).map_err(|e| Error::io("mkdir", e))?;
+            write_toml(
+                &d.join("monitor.toml"),
+                &MonitorConfig {
+                    id,
+                    monitors: mons.clone(),
+                    fsid: fsid.clone(),
+                    key_file: key.clone(),
+                    data_dir: d.clone(),
+                    down_grace_ms: o.down_grace_ms,
+                    out_grace_ms: o.out_grace_ms,
+                },
+            )?;
+        }
+        for id in 1..=o.nodes {
+            let d = self.dir.join(format!("node.{id}"));
+            std::fs::create_dir_all(&d).map_err(|e| Error::io("mkdir", e))?;
+            write_toml(
+                &d.join("node.toml"),
+                &NodeConfig {
+                    id,
+                    host: format!("host{id}"),
+                    // Port 0: the node registers the port it got (no race for free ports).
+                    listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+                    monitors: mons.clone(),
+                    key_file: key.clone(),
+                    devices: vec![d.join("dev0.img").display().to_string()],
+                    data_dir: d.clone(),
+                    device_size: Some(o.device_bytes),
+                    weight: crate::map::WEIGHT_ONE,
+                    heartbeat_ms: o.heartbeat_ms,
+                    op_threads: o.op_threads,
+                    write_wait_ms: o.write_wait_ms,
+                    busy_poll_us: 20,
+                },
+            )?;
+        }
+        write_toml(
+            &self.client_config(),
+            &ClientConfig {
+                monitors: mons,
+                key_file: key,
+                op_timeout_ms: 30_000,
+            },
+        )
+    }
+
+    fn members(&self) -> Result<Vec<String>> {
+        let mut out = Vec::new();
+        for e in std::fs::read_dir(&self.dir)
+            .map_err(|e| Error::io(format!("{}", self.dir.display()), e))?
+        {
+            let e = e.map_err(|e| Error::io("readdir", e))?;
+            let name = e.file_name().to_string_lossy().to_string();
+            if e.path().is_dir() && (name.starts_with("mon.") || name.starts_with("node.")) {
+                out.push(name);
+            }
+        }
+        // Monitors first.
+        out.sort_by_key(|n| {
+            (
+                n.starts_with("node."),
+                n.split('.').nth(1).and_then(|i| i.parse::<u32>().ok()),
+            )
+        });
+        Ok(out)
+    }
+
+    fn pids(&self) -> BTreeMap<String, i32> {
+        std::fs::read_to_string(self.dir.join("pids"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let (n, p) = l.split_once(' ')?;
+                Some((n.to_string(), p.trim().parse().ok()?))
+            })
+            .collect()
+    }
+
+    fn save_pids(&self, pids: &BTreeMap<String, i32>) -> Result<()> {
+        let text: String = pids.iter().map(|(n, p)| format!("{n} {p}\n")).collect();
+        std::fs::write(self.dir.join("pids"), text).map_err(|e| Error::io("write pids", e))
+    }
+
+    fn alive(pid: i32) -> bool {
+        // SAFETY: kill with signal 0 only checks that the process exists.
+        let exists = unsafe { libc::kill(pid, 0) } == 0;
+        exists
+            && !std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+                s.rsplit(')')
+                    .next()
+                    .is_some_and(|r| r.trim_start().starts_with('Z'))
+            })
+    }
+
+    /// Start one member ("mon.N" or "node.N") unless it is running.
+    pub fn start_member(&self, member: &str) -> Result<i32> {
+        let mut pids = self.pids();
+        if let Some(p) = pids.get(member) {
+            if Self::alive(*p) {
+                return Ok(*p);
+            }
+        }
+        let (what, file) = if member.starts_with("mon.") {
+            ("monitor", "monitor.toml")
+        } else {
+            ("node", "node.toml")
+        };
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join(format!("{member}.log")))
+            .map_err(|e| Error::io("open log", e))?;
+        let mut cmd = Command::new(&self.exe);
+        if self.detach {
+            std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        }
+        let child = cmd
+            .args([what, "run", "--config"])
+            .arg(self.dir.join(member).join(file))
+            .env(
+                "RUST_LOG",
+                std::env::var("NVSTORE_DAEMON_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .map_err(|e| Error::io(format!("start {}", self.exe.display()), e))?;
+        let pid = child.id() as i32;
+        // The process outlives this handle: it is stopped through its recorded pid.
+        std::mem::forget(child);
+        pids.insert(member.to_string(), pid);
+        self.save_pids(&pids)?;
+        Ok(pid)
+    }
+
+    /// Stop one member: SIGTERM (or SIGKILL when `kill`), then wait for it to go.
+    pub fn stop_member(&self, member: &str, kill: bool) -> Result<bool> {
+        let mut pids = self.pids();
+        let Some(pid) = pids.remove(member) else {
+            return Ok(false);
+        };
+        let sig = if kill { libc::SIGKILL } else { libc::SIGTERM };
+        // SAFETY: signalling a pid this cluster started and recorded.
+        unsafe { libc::kill(pid, sig) };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Self::alive(pid) && Instant::now() < deadline {
+            reap();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if Self::alive(pid) {
+            // SAFETY: as above.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        reap();
+        self.save_pids(&pids)?;
+        Ok(true)
+    }
+
+    /// Start every member; wait until all nodes are up in the map.
+    pub fn up(&self) -> Result<Client> {
+        for m in self.members()? {
+            self.start_member(&m)?;
+            if m.starts_with("mon.") {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        let nodes = self
+            .members()?
+            .iter()
+            .filter(|m| m.starts_with("node."))
+            .count();
+        let deadline = Instant::now() + UP_WAIT;
+        let client = loop {
+            match Client::from_config(&self.client_config()) {
+                Ok(c) => break c,
+                Err(e) if Instant::now() > deadline => return Err(e),
+                Err(e) => {
+                    if let Some(dead) = self.dead_member() {
+                        return Err(Error::Config(format!("{dead}\n(client: {e})")));
+                    }
+                    std::thread::sleep(Duration::from_millis(200))
+                }
+            }
+        };
+        self.wait_nodes_up(&client, nodes, deadline)?;
+        Ok(client)
+    }
+
+    /// A started process that is gone, with the end of its log.
+    fn dead_member(&self) -> Option<String> {
+        for (m, pid) in self.pids() {
+            reap();
+            if !Self::alive(pid) {
+                let log =
+                    std::fs::read_to_string(self.dir.join(format!("{m}.log"))).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(5).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                return Some(format!("{m} (pid {pid}) exited:\n{}", tail.join("\n")));
+            }
+        }
+        None
+    }
+
+    pub fn wait_nodes_up(&self, client: &Client, nodes: usize, deadline: Instant) -> Result<()> {
+        loop {
+            if let Some(dead) = self.dead_member() {
+                return Err(Error::Config(dead));
+            }
+            let _ = client.refresh_map();
+            let m = client.map();
+            let up = m.nodes.values().filter(|n| n.up && n.r#in).count();
+            if up >= nodes {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(Error::Timeout {
+                    what: format!(
+                        "{up} of {nodes} nodes up (see {}/node.*.log)",
+                        self.dir.display()
+                    ),
+                    secs: UP_WAIT.as_secs_f64(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Stop every recorded process (nodes first).
+    pub fn down(&self) -> Result<usize> {
+        let mut n = 0;
+        let mut members: Vec<String> = self.pids().into_keys().collect();
+        members.sort_by_key(|m| m.starts_with("mon."));
+        for m in members {
+            if self.stop_member(&m, false)? {
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+}
+
+/// Collect exited children (this process started them).
+fn reap() {
+    loop {
+        // SAFETY: non-blocking wait for any child; no memory is passed.
+        let r = unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) };
+        if r <= 0 {
+            break;
+        }
+    }
+}
+
+// ---- CLI ------------------------------------------------------------------------------------
+
+use clap::{Args, Subcommand};
+
+#[derive(Debug, Subcommand)]
+pub enum ClusterCommand {
+    /// Start a monitor and N node processes on loopback with file devices
+    Up {
+        #[arg(long, default_value_t = 8)]
+        nodes: u32,
+        #[arg(long, default_value_t = 1)]
+        monitors: u32,
+        #[arg(long)]
+        dir: PathBuf,
+        /// Size of each node's device file (sparse)
+        #[arg(long, default_value = "2G", value_parser = crate::storecli::parse_size)]
+        device_size: u64,
+        /// Create a pool of this name (k = min(6, nodes - 2), m = 2); "" for none
+        #[arg(long, default_value = "data")]
+        pool: String,
+    },
+    /// Stop the processes `up` started (by their recorded ids)
+    Down {
+        #[arg(long)]
+        dir: PathBuf,
+    },
+    /// Stop one node or monitor (`node.3`, `mon.1`); --kill sends SIGKILL
+    Stop {
+        #[arg(long)]
+        dir: PathBuf,
+        member: String,
+        #[arg(long)]
+        kill: bool,
+    },
+    /// Start one stopped node or monitor
+    Start {
+        #[arg(long)]
+        dir: PathBuf,
+        member: String,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct ConfArg {
+    /// Client config (written by `cluster up`); default $NVSTORE_CONF
+    #[arg(short = 'c', long = "conf", env = "NVSTORE_CONF")]
+    pub conf: PathBuf,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PoolCommand {
+    /// Create an erasure-coded pool
+    Create {
+        name: String,
+        #[arg(long, default_value_t = 6)]
+        k: u32,
+        #[arg(long, default_value_t = 2)]
+        m: u32,
+        #[arg(long, default_value_t = crate::map::PG_NUM_DEFAULT)]
+        pg_num: u32,
+        #[arg(long, default_value = "64K", value_parser = crate::storecli::parse_size)]
+        stripe_unit: u64,
+        /// Shards durable before a write is acknowledged (default k + 1)
+        #[arg(long)]
+        min_size: Option<u32>,
+        #[command(flatten)]
+        conf: ConfArg,
+    },
+    /// List pools
+    Ls {
+        #[command(flatten)]
+        conf: ConfArg,
+    },
+}
+
+type CliResult = std::result::Result<ExitCode, Box<dyn std::error::Error>>;
+
+pub fn run_cluster(cmd: ClusterCommand) -> CliResult {
+    let exe = std::env::current_exe()?;
+    match cmd {
+        ClusterCommand::Up {
+            nodes,
+            monitors,
+            dir,
+            device_size,
+            pool,
+        } => {
+            let mut lc = LocalCluster::new(&dir, &exe);
+            lc.detach = true;
+            let fresh = !dir.join("cluster.key").exists();
+            if fresh {
+                lc.create(&LocalOptions {
+                    nodes,
+                    monitors,
+                    device_bytes: device_size,
+                    ..LocalOptions::default()
+                })?;
+            }
+            let client = lc.up()?;
+            if fresh && !pool.is_empty() {
+                let k = nodes.saturating_sub(2).clamp(1, 6);
+                client.create_pool(
+                    &pool,
+                    k,
+                    2.min(nodes.saturating_sub(k)).max(1),
+                    64 << 10,
+                    crate::map::PG_NUM_DEFAULT,
+                    None,
+                )?;
+                println!(
+                    "created pool {pool:?} (EC {k}+{})",
+                    2.min(nodes.saturating_sub(k)).max(1)
+                );
+            }
+            let m = client.map();
+            println!(
+                "cluster {} up: {} monitor(s), {} node(s), epoch {}",
+                m.fsid,
+                monitors,
+                m.nodes.len(),
+                m.epoch
+            );
+            println!("export NVSTORE_CONF={}", lc.client_config().display());
+            Ok(ExitCode::SUCCESS)
+        }
+        ClusterCommand::Down { dir } => {
+            let n = LocalCluster::new(&dir, &exe).down()?;
+            println!("stopped {n} process(es); data kept in {}", dir.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        ClusterCommand::Stop { dir, member, kill } => {
+            if !LocalCluster::new(&dir, &exe).stop_member(&member, kill)? {
+                return Err(format!("{member} is not running (no recorded pid)").into());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        ClusterCommand::Start { dir, member } => {
+            let mut lc = LocalCluster::new(&dir, &exe);
+            lc.detach = true;
+            let pid = lc.start_member(&member)?;
+            println!("{member} pid {pid}");
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+pub fn run_pool(cmd: PoolCommand) -> CliResult {
+    match cmd {
+        PoolCommand::Create {
+            name,
+            k,
+            m,
+            pg_num,
+            stripe_unit,
+            min_size,
+            conf,
+        } => {
+            let c = Client::from_config(&conf.conf)?;
+            let id = c.create_pool(&name, k, m, stripe_unit as u32, pg_num, min_size)?;
+            println!("pool {name:?} created: id {id}, EC {k}+{m}, {pg_num} pgs");
+        }
+        PoolCommand::Ls { conf } => {
+            let c = Client::from_config(&conf.conf)?;
+            for p in c.map().pools.values() {
+                println!(
+                    "{}\t{}\tEC {}+{}\tunit {} KiB\t{} pgs\tmin_size {}",
+                    p.id,
+                    p.name,
+                    p.k,
+                    p.m,
+                    p.stripe_unit >> 10,
+                    p.pg_num,
+                    p.min_size
+                );
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn human(b: f64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < units.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    format!("{v:.1} {}", units[i])
+}
+
+/// `nvstore status` as text.
+pub fn render_status(s: &crate::monitor::StatusReport) -> String {
+    let mut o = String::new();
+    let mons: Vec<String> = s
+        .monitors
+        .iter()
+        .map(|(id, a, r)| format!("mon.{id} {a} ({r})"))
+        .collect();
+    o += &format!(
+        "  cluster:\n    id:     {}\n    health: {}\n",
+        s.fsid, s.health
+    );
+    for d in &s.health_detail {
+        o += &format!("            {d}\n");
+    }
+    o += &format!(
+        "\n  services:\n    mon:  {} daemon(s): {}\n    node: {} nodes: {} up, {} in\n",
+        s.monitors.len(),
+        mons.join(", "),
+        s.nodes_total,
+        s.nodes_up,
+        s.nodes_in
+    );
+    o += &format!(
+        "\n  data:\n    map:    epoch {}\n    pools:  {} pools, {} pgs\n    shards: {}\n    usage:  {} used of {}\n",
+        s.epoch,
+        s.pools.len(),
+        s.pg_total,
+        s.shards,
+        human(s.used_bytes as f64),
+        human(s.capacity_bytes as f64)
+    );
+    o += "    pgs:    ";
+    let states: Vec<String> = s
+        .pg_states
+        .iter()
+        .map(|(k, v)| format!("{v} {k}"))
+        .collect();
+    o += &(if states.is_empty() {
+        "none".to_string()
+    } else {
+        states.join(", ")
+    });
+    o += "\n";
+    o += &format!(
+        "\n  io:\n    client: {}/s rd, {}/s wr, {:.0} op/s rd, {:.0} op/s wr\n",
+        human(s.io.read_bytes_s),
+        human(s.io.write_bytes_s),
+        s.io.read_ops_s,
+        s.io.write_ops_s
+    );
+    o
+}
+
+pub fn run_status(conf: &Path, json: bool) -> CliResult {
+    let c = Client::from_config(conf)?;
+    let s = c.status()?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&s)?);
+    } else {
+        print!("{}", render_status(&s));
+    }
+    Ok(if s.health == "HEALTH_ERR" {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+#[derive(Debug, Args)]
+pub struct ObjArgs {
+    pub pool: String,
+    pub name: String,
+    /// File to read from (put) or write to (get); stdin/stdout when absent
+    pub file: Option<PathBuf>,
+    #[command(flatten)]
+    pub conf: ConfArg,
+}
+
+#[derive(Debug, Args)]
+pub struct LsArgs {
+    pub pool: String,
+    #[command(flatten)]
+    pub conf: ConfArg,
+}
+
+pub fn run_obj(cmd: &str, a: ObjArgs) -> CliResult {
+    let c = Client::from_config(&a.conf.conf)?;
+    let pool = c.pool_id(&a.pool)?;
+    let name = a.name.as_bytes();
+    match cmd {
+        "put" => {
+            let data = match &a.file {
+                Some(f) => std::fs::read(f).map_err(|e| format!("{}: {e}", f.display()))?,
+                None => {
+                    let mut v = Vec::new();
+                    std::io::Read::read_to_end(&mut std::io::stdin(), &mut v)?;
+                    v
+                }
+            };
+            let v = c.put(pool, name, &data)?;
+            eprintln!("{}/{}: {} bytes, version {v}", a.pool, a.name, data.len());
+        }
+        "get" => {
+            let data = c.get(pool, name)?;
+            match &a.file {
+                Some(f) => std::fs::write(f, &data).map_err(|e| format!("{}: {e}", f.display()))?,
+                None => std::io::stdout().write_all(&data)?,
+            }
+        }
+        "stat" => {
+            let s = c.stat(pool, name)?;
+            println!(
+                "{}/{} size {} version {} mtime_ns {}",
+                a.pool, a.name, s.size, s.version, s.mtime_unix_ns
+            );
+        }
+        _ => {
+            let v = c.remove(pool, name)?;
+            eprintln!("{}/{}: removed at version {v}", a.pool, a.name);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn run_ls(a: LsArgs) -> CliResult {
+    let c = Client::from_config(&a.conf.conf)?;
+    let pool = c.pool_id(&a.pool)?;
+    for (name, s) in c.list(pool)? {
+        println!(
+            "{}\t{}\tv{}",
+            String::from_utf8_lossy(&name),
+            s.size,
+            s.version
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,218 @@
+//! The cluster map: nodes, pools and devices, versioned by epoch.
+//!
+//! The monitor owns it (replicated through raft); nodes and clients hold copies kept current by
+//! [`Incremental`]s, each bumping the epoch by exactly one. The map is small and travels as
+//! JSON (docs/format.md, "Cluster messages").
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+
+/// A node's weight unit: 1.0 == 0x10000 (a device of 1 TiB, say; only ratios matter).
+pub const WEIGHT_ONE: u32 = 0x10000;
+/// Default placement groups per pool.
+pub const PG_NUM_DEFAULT: u32 = 64;
+/// Most placement groups a pool may have.
+pub const PG_NUM_MAX: u32 = 1 << 16;
+/// Longest pool name.
+pub const POOL_NAME_BYTES_MAX: usize = 64;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    pub id: u32,
+    pub addr: SocketAddr,
+    /// Failure domain: no two shards of a PG on one host.
+    pub host: String,
+    pub weight: u32,
+    pub up: bool,
+    /// An out node holds no PGs (its shards are remapped; recovery rebuilds them, issue 8).
+    pub r#in: bool,
+    /// Device uuids (hex) the node serves.
+    pub devices: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolInfo {
+    pub id: u64,
+    pub name: String,
+    pub k: u32,
+    pub m: u32,
+    pub stripe_unit: u32,
+    pub pg_num: u32,
+    /// Shards that must be durable before a write is acknowledged (default k + 1).
+    pub min_size: u32,
+}
+
+impl PoolInfo {
+    pub fn size(&self) -> usize {
+        (self.k + self.m) as usize
+    }
+
+    pub fn profile(&self) -> ec::Profile {
+        ec::Profile::new(self.k as usize, self.m as usize, self.stripe_unit as usize)
+            .expect("pool profiles are validated when the pool is created")
+    }
+}
+
+/// One change to the map.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Change {
+    /// A node registered (new, or with a new address/host/devices); it is up and in.
+    NodeBoot(NodeInfo),
+    NodeUp(u32),
+    NodeDown(u32),
+    NodeIn(u32),
+    NodeOut(u32),
+    PoolCreate(PoolInfo),
+    PoolDelete(u64),
+}
+
+/// The changes that take a map from `epoch - 1` to `epoch`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Incremental {
+    pub epoch: u64,
+    pub changes: Vec<Change>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterMap {
+    pub fsid: String,
+    pub epoch: u64,
+    pub nodes: BTreeMap<u32, NodeInfo>,
+    pub pools: BTreeMap<u64, PoolInfo>,
+    /// Device uuid → node id.
+    pub devices: BTreeMap<String, u32>,
+    /// Epoch of the last change that can move PG members (a node added, marked in or out,
+    /// or its host or weight changed). Before it a PG may have had other members.
+    #[serde(default)]
+    pub membership_epoch: u64,
+}
+
+impl ClusterMap {
+    pub fn new(fsid: String) -> ClusterMap {
+        ClusterMap {
+            fsid,
+            ..ClusterMap::default()
+        }
+    }
+
+    pub fn pool_by_name(&self, name: &str) -> Option<&PoolInfo> {
+        self.pools.values().find(|p| p.name == name)
+    }
+
+    pub fn is_up(&self, node: u32) -> bool {
+        self.nodes.get(&node).is_some_and(|n| n.up)
+    }
+
+    /// Apply one incremental; it must be for exactly the next epoch.
+    pub fn apply(&mut self, inc: &Incremental) -> Result<(), String> {
+        if inc.epoch != self.epoch + 1 {
+            return Err(format!(
+                "incremental for epoch {} does not follow map epoch {}",
+                inc.epoch, self.epoch
+            ));
+        }
+        for c in &inc.changes {
+            if self.moves_members(c) {
+                self.membership_epoch = inc.epoch;
+            }
+            self.apply_change(c);
+        }
+        self.epoch = inc.epoch;
+        Ok(())
+    }
+
+    fn moves_members(&self, c: &Change) -> bool {
+        match c {
+            Change::NodeBoot(n) => self
+                .nodes
+                .get(&n.id)
+                .is_none_or(|o| o.host != n.host || o.weight != n.weight || o.r#in != n.r#in),
+            Change::NodeIn(id) => self.nodes.get(id).is_some_and(|n| !n.r#in),
+            Change::NodeOut(id) => self.nodes.get(id).is_some_and(|n| n.r#in),
+            _ => false,
+        }
+    }
+
+    fn apply_change(&mut self, c: &Change) {
+        match c {
+            Change::NodeBoot(n) => {
+                self.devices.retain(|_, owner| *owner != n.id);
+                for d in &n.devices {
+                    self.devices.insert(d.clone(), n.id);
+                }
+                self.nodes.insert(n.id, n.clone());
+            }
+            Change::NodeUp(id) | Change::NodeDown(id) => {
+                if let Some(n) = self.nodes.get_mut(id) {
+                    n.up = matches!(c, Change::NodeUp(_));
+                }
+            }
+            Change::NodeIn(id) | Change::NodeOut(id) => {
+                if let Some(n) = self.nodes.get_mut(id) {
+                    n.r#in = matches!(c, Change::NodeIn(_));
+                }
+            }
+            Change::PoolCreate(p) => {
+                self.pools.insert(p.id, p.clone());
+            }
+            Change::PoolDelete(id) => {
+                self.pools.remove(id);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn node(id: u32) -> NodeInfo {
+        NodeInfo {
+            id,
+            addr: format!("127.0.0.1:{}", 7000 + id).parse().unwrap(),
+            host: format!("host{id}"),
+            weight: WEIGHT_ONE,
+            up: true,
+            r#in: true,
+            devices: vec![format!("dev{id}")],
+        }
+    }
+
+    #[test]
+    fn incrementals_apply_in_order_only() {
+        let mut m = ClusterMap::new("f".into());
+        m.apply(&Incremental {
+            epoch: 1,
+            changes: vec![Change::NodeBoot(node(1)), Change::NodeBoot(node(2))],
+        })
+        .unwrap();
+        assert_eq!(m.devices.get("dev2"), Some(&2));
+        let skip = Incremental {
+            epoch: 3,
+            changes: vec![Change::NodeDown(1)],
+        };
+        assert!(m.apply(&skip).unwrap_err().contains("does not follow"));
+        m.apply(&Incremental {
+            epoch: 2,
+            changes: vec![Change::NodeDown(1), Change::NodeOut(2)],
+        })
+        .unwrap();
+        assert!(!m.is_up(1));
+        assert!(!m.nodes[&2].r#in);
+        assert_eq!(m.epoch, 2);
+        assert_eq!(m.membership_epoch, 2, "out moves members; down does not");
+        m.apply(&Incremental {
+            epoch: 3,
+            changes: vec![Change::NodeBoot(node(1))],
+        })
+        .unwrap();
+        assert_eq!(
+            m.membership_epoch, 2,
+            "a restart on the same host moves nothing"
+        );
+        let json = serde_json::to_string(&m).unwrap();
+        assert_eq!(serde_json::from_str::<ClusterMap>(&json).unwrap(), m);
+    }
+}

@@ -1,0 +1,565 @@
+//! The monitor: authority for the cluster map, replicated with openraft.
+//!
+//! Nodes register (`Boot`) and send heartbeats to every monitor; the raft leader marks a node
+//! down after `down_grace` without one and out after `out_grace` down. Each map change is a
+//! raft entry; applying it bumps the epoch and the monitor pushes the incrementals to every
+//! subscribed connection (nodes and clients). Map reads are served by any monitor from its
+//! applied state; commands go to the leader (others answer `NotLeader` naming it).
+
+pub mod raft;
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use messenger::{Connection, Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret};
+use openraft::storage::Adaptor;
+use openraft::{BasicNode, ServerState};
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+
+use crate::config::MonitorConfig;
+use crate::error::{Error, Result};
+use crate::map::{ClusterMap, Incremental};
+use crate::placement::Acting;
+use crate::wire::{self, Dec, Enc, Status, MON_IDENTITY_BASE};
+use raft::{MonCommand, MonStore, Network, Raft};
+
+/// How long a map change may wait to be committed by a majority of monitors.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often the leader checks heartbeats.
+const LIVENESS_TICK: Duration = Duration::from_millis(200);
+
+/// A map (full) or the incrementals that bring the asker up to date.
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+pub struct MapReply {
+    pub full: Option<ClusterMap>,
+    pub incs: Vec<Incremental>,
+}
+
+/// Cumulative counters a node reports in each heartbeat.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, Default, PartialEq)]
+pub struct NodeStats {
+    pub read_ops: u64,
+    pub write_ops: u64,
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+    pub shards: u64,
+    pub used_bytes: u64,
+    pub capacity_bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+pub struct IoRates {
+    pub read_ops_s: f64,
+    pub write_ops_s: f64,
+    pub read_bytes_s: f64,
+    pub write_bytes_s: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StatusReport {
+    pub fsid: String,
+    pub health: String,
+    pub health_detail: Vec<String>,
+    pub epoch: u64,
+    /// (id, address, raft role)
+    pub monitors: Vec<(u32, String, String)>,
+    pub leader: Option<u64>,
+    pub nodes_total: usize,
+    pub nodes_up: usize,
+    pub nodes_in: usize,
+    pub pools: Vec<crate::map::PoolInfo>,
+    pub pg_total: usize,
+    pub pg_states: BTreeMap<String, usize>,
+    pub shards: u64,
+    pub used_bytes: u64,
+    pub capacity_bytes: u64,
+    pub io: IoRates,
+}
+
+struct Seen {
+    at: Instant,
+    stats: NodeStats,
+    rates: IoRates,
+}
+
+pub struct Monitor {
+    cfg: MonitorConfig,
+    rt: tokio::runtime::Runtime,
+    raft: OnceLock<Raft>,
+    store: MonStore,
+    subs: Mutex<Vec<(Connection, u64)>>,
+    seen: Mutex<HashMap<u32, Seen>>,
+    down_since: Mutex<HashMap<u32, Instant>>,
+}
+
+struct MonDispatcher(OnceLock<Arc<Monitor>>);
+
+impl Dispatcher for MonDispatcher {
+    fn handle(&self, mut msg: Incoming) {
+        let Some(mon) = self.0.get() else { return };
+        let t = msg.msg_type();
+        let reply = mon.handle(&msg);
+        if msg.is_request() {
+            let body =
+                reply.unwrap_or_else(|e| wire::reply_err(mon.epoch(), e.status(), &e.message()));
+            let _ = msg.reply(OutMessage::new(wire::MSG_REPLY, body));
+        } else if let Err(e) = reply {
+            warn!("monitor: one-way message type {t} from {}: {e}", msg.peer());
+        }
+    }
+}
+
+impl Monitor {
+    fn epoch(&self) -> u64 {
+        self.store.shared.state.lock().unwrap().map.epoch
+    }
+
+    fn raft(&self) -> &Raft {
+        self.raft
+            .get()
+            .expect("raft started before messages are served")
+    }
+
+    fn is_leader(&self) -> bool {
+        let m = self.raft().metrics().borrow().clone();
+        m.state == ServerState::Leader
+    }
+
+    fn map_reply(&self, have: u64) -> MapReply {
+        let s = self.store.shared.state.lock().unwrap();
+        match s.since(have) {
+            Some(incs) if have > 0 => MapReply { full: None, incs },
+            _ => MapReply {
+                full: Some(s.map.clone()),
+                incs: vec![],
+            },
+        }
+    }
+
+    fn handle(&self, msg: &Incoming) -> Result<Vec<u8>> {
+        let p: &[u8] = msg.payload();
+        let mut d = Dec::new(p);
+        let peer_epoch = d.u64()?;
+        let body = d.rest();
+        let json = |v: &dyn erased::Ser| -> Result<Vec<u8>> {
+            Ok(wire::reply_ok(self.epoch(), &v.to_json()?))
+        };
+        match msg.msg_type() {
+            wire::MSG_RAFT_APPEND => {
+                let req = serde_json::from_slice(body).map_err(bad)?;
+                json(&self.rt.block_on(self.raft().append_entries(req)))
+            }
+            wire::MSG_RAFT_VOTE => {
+                let req = serde_json::from_slice(body).map_err(bad)?;
+                json(&self.rt.block_on(self.raft().vote(req)))
+            }
+            wire::MSG_RAFT_SNAPSHOT => {
+                let req = serde_json::from_slice(body).map_err(bad)?;
+                json(&self.rt.block_on(self.raft().install_snapshot(req)))
+            }
+            wire::MSG_MON_GET_MAP => json(&self.map_reply(peer_epoch)),
+            wire::MSG_MON_SUBSCRIBE => {
+                let r = self.map_reply(peer_epoch);
+                let e = self.epoch();
+                let mut subs = self.subs.lock().unwrap();
+                subs.retain(|(c, _)| c.is_open() && c.id() != msg.conn().id());
+                subs.push((msg.conn().clone(), e));
+                drop(subs);
+                json(&r)
+            }
+            wire::MSG_MON_COMMAND => {
+                let cmd: MonCommand = serde_json::from_slice(body).map_err(bad)?;
+                self.command(cmd).and_then(|r| json(&r))
+            }
+            wire::MSG_MON_HEARTBEAT => {
+                let mut d = Dec::new(body);
+                let id = d.u32()?;
+                let stats: NodeStats = serde_json::from_slice(d.rest()).map_err(bad)?;
+                self.heartbeat(id, stats);
+                Ok(vec![])
+            }
+            wire::MSG_MON_STATUS => json(&self.status()),
+            t => Err(Error::Malformed(format!(
+                "unknown monitor message type {t}"
+            ))),
+        }
+    }
+
+    /// Propose a command (this monitor must be the leader).
+    fn command(&self, cmd: MonCommand) -> Result<raft::MonResponse> {
+        use openraft::error::{ClientWriteError, RaftError};
+        let write = self.raft().client_write(cmd);
+        let r = self
+            .rt
+            .block_on(async { tokio::time::timeout(COMMAND_TIMEOUT, write).await })
+            .map_err(|_| {
+                Error::Monitor(format!(
+                    "no quorum: the change was not committed within {COMMAND_TIMEOUT:?} \
+                     (are a majority of monitors up?)"
+                ))
+            })?;
+        match r {
+            Ok(r) => Ok(r.data),
+            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => Err(Error::remote(
+                Status::NotLeader,
+                f.leader_node.map(|n| n.addr).unwrap_or_default(),
+            )),
+            Err(e) => Err(Error::Monitor(e.to_string())),
+        }
+    }
+
+    fn heartbeat(&self, id: u32, stats: NodeStats) {
+        let now = Instant::now();
+        let mut seen = self.seen.lock().unwrap();
+        let rates = match seen.get(&id) {
+            Some(prev) if now > prev.at && stats.read_ops >= prev.stats.read_ops => {
+                let dt = (now - prev.at).as_secs_f64().max(1e-3);
+                IoRates {
+                    read_ops_s: (stats.read_ops - prev.stats.read_ops) as f64 / dt,
+                    write_ops_s: stats.write_ops.saturating_sub(prev.stats.write_ops) as f64 / dt,
+                    read_bytes_s: stats.read_bytes.saturating_sub(prev.stats.read_bytes) as f64
+                        / dt,
+                    write_bytes_s: stats.write_bytes.saturating_sub(prev.stats.write_bytes) as f64
+                        / dt,
+                }
+            }
+            _ => IoRates::default(),
+        };
+        seen.insert(
+            id,
+            Seen {
+                at: now,
+                stats,
+                rates,
+            },
+        );
+    }
+
+    /// Leader only: mark nodes down after the grace, out after the longer one.
+    fn liveness_loop(self: Arc<Self>) {
+        let mut was_leader = false;
+        loop {
+            std::thread::sleep(LIVENESS_TICK);
+            let leader = self.is_leader();
+            let map = self.store.shared.state.lock().unwrap().map.clone();
+            let now = Instant::now();
+            if leader && !was_leader {
+                // A new leader gives every node a full grace period.
+                let mut seen = self.seen.lock().unwrap();
+                for id in map.nodes.keys() {
+                    seen.entry(*id)
+                        .and_modify(|s| s.at = s.at.max(now))
+                        .or_insert(Seen {
+                            at: now,
+                            stats: NodeStats::default(),
+                            rates: IoRates::default(),
+                        });
+                }
+                self.down_since.lock().unwrap().clear();
+            }
+            was_leader = leader;
+            if !leader {
+                continue;
+            }
+            let (mut down, mut up) = (Vec::new(), Vec::new());
+            {
+                let mut seen = self.seen.lock().unwrap();
+                for n in map.nodes.values() {
+                    // A node new to this leader gets a full grace period.
+                    let last = Some(
+                        seen.entry(n.id)
+                            .or_insert(Seen {
+                                at: now,
+                                stats: NodeStats::default(),
+                                rates: IoRates::default(),
+                            })
+                            .at,
+                    );
+                    let fresh = last.is_some_and(|t| now.duration_since(t) < self.cfg.down_grace());
+                    if n.up && !fresh {
+                        down.push(n.id);
+                    } else if !n.up && fresh && last.is_some_and(|t| t > now - LIVENESS_TICK * 3) {
+                        up.push(n.id);
+                    }
+                }
+            }
+            let mut out = Vec::new();
+            {
+                let mut ds = self.down_since.lock().unwrap();
+                for n in map.nodes.values() {
+                    if n.up {
+                        ds.remove(&n.id);
+                    } else {
+                        let since = *ds.entry(n.id).or_insert(now);
+                        if n.r#in && now.duration_since(since) >= self.cfg.out_grace() {
+                            out.push(n.id);
+                        }
+                    }
+                }
+            }
+            if !down.is_empty() {
+                info!(
+                    "monitor: marking down {down:?} (no heartbeat for {:?})",
+                    self.cfg.down_grace()
+                );
+                let _ = self.command(MonCommand::MarkDown(down));
+            }
+            for id in up {
+                let _ = self.command(MonCommand::MarkUp(id));
+            }
+            if !out.is_empty() {
+                info!(
+                    "monitor: marking out {out:?} (down for {:?})",
+                    self.cfg.out_grace()
+                );
+                let _ = self.command(MonCommand::MarkOut(out));
+            }
+        }
+    }
+
+    /// Push new epochs to subscribers.
+    fn push_loop(self: Arc<Self>, rx: crossbeam::channel::Receiver<u64>) {
+        for _ in rx {
+            let s = self.store.shared.state.lock().unwrap();
+            let epoch = s.map.epoch;
+            let mut subs = self.subs.lock().unwrap();
+            subs.retain(|(c, _)| c.is_open());
+            for (c, have) in subs.iter_mut() {
+                if *have >= epoch {
+                    continue;
+                }
+                let reply = match s.since(*have) {
+                    Some(incs) => MapReply { full: None, incs },
+                    None => MapReply {
+                        full: Some(s.map.clone()),
+                        incs: vec![],
+                    },
+                };
+                let mut e = Enc::new(epoch);
+                e.0.extend_from_slice(&serde_json::to_vec(&reply).expect("map serializes"));
+                if c.send_oneway(OutMessage::new(wire::MSG_MON_MAP_PUSH, e.finish()))
+                    .is_ok()
+                {
+                    *have = epoch;
+                }
+            }
+        }
+    }
+
+    pub fn status(&self) -> StatusReport {
+        let map = self.store.shared.state.lock().unwrap().map.clone();
+        let metrics = self.raft().metrics().borrow().clone();
+        let mut pg_states: BTreeMap<String, usize> = BTreeMap::new();
+        let mut pg_total = 0;
+        for p in map.pools.values() {
+            for pg in 0..p.pg_num {
+                let a = Acting::compute(&map, p, pg);
+                *pg_states.entry(a.state(p).to_string()).or_default() += 1;
+                pg_total += 1;
+            }
+        }
+        let mut detail = Vec::new();
+        let up = map.nodes.values().filter(|n| n.up).count();
+        let inn = map.nodes.values().filter(|n| n.r#in).count();
+        let downs: Vec<u32> = map.nodes.values().filter(|n| !n.up).map(|n| n.id).collect();
+        if !downs.is_empty() {
+            detail.push(format!("{} node(s) down: {downs:?}", downs.len()));
+        }
+        for (state, n) in &pg_states {
+            match state.as_str() {
+                "active+clean" => {}
+                "active+degraded" => detail.push(format!("{n} pgs degraded (writable)")),
+                "undersized" => {
+                    detail.push(format!("{n} pgs undersized: readable, writes blocked"))
+                }
+                _ => detail.push(format!("{n} pgs down: objects unavailable")),
+            }
+        }
+        let health = if pg_states.contains_key("down") {
+            "HEALTH_ERR"
+        } else if detail.is_empty() {
+            "HEALTH_OK"
+        } else {
+            "HEALTH_WARN"
+        };
+        let seen = self.seen.lock().unwrap();
+        let mut io = IoRates::default();
+        let (mut shards, mut used, mut cap) = (0, 0, 0);
+        for n in map.nodes.values().filter(|n| n.up) {
+            if let Some(s) = seen.get(&n.id) {
+                io.read_ops_s += s.rates.read_ops_s;
+                io.write_ops_s += s.rates.write_ops_s;
+                io.read_bytes_s += s.rates.read_bytes_s;
+                io.write_bytes_s += s.rates.write_bytes_s;
+                shards += s.stats.shards;
+                used += s.stats.used_bytes;
+                cap += s.stats.capacity_bytes;
+            }
+        }
+        let monitors = self
+            .cfg
+            .monitors
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                let id = i as u64 + 1;
+                let role = if metrics.current_leader == Some(id) {
+                    "leader"
+                } else if metrics
+                    .membership_config
+                    .membership()
+                    .get_node(&id)
+                    .is_some()
+                {
+                    "peon"
+                } else {
+                    "unknown"
+                };
+                (id as u32, a.to_string(), role.to_string())
+            })
+            .collect();
+        StatusReport {
+            fsid: map.fsid.clone(),
+            health: health.into(),
+            health_detail: detail,
+            epoch: map.epoch,
+            monitors,
+            leader: metrics.current_leader,
+            nodes_total: map.nodes.len(),
+            nodes_up: up,
+            nodes_in: inn,
+            pools: map.pools.values().cloned().collect(),
+            pg_total,
+            pg_states,
+            shards,
+            used_bytes: used,
+            capacity_bytes: cap,
+            io,
+        }
+    }
+}
+
+fn bad(e: serde_json::Error) -> Error {
+    Error::Malformed(e.to_string())
+}
+
+/// Serialize anything to JSON behind a trait object (for the reply helper).
+mod erased {
+    pub trait Ser {
+        fn to_json(&self) -> crate::Result<Vec<u8>>;
+    }
+    impl<T: serde::Serialize> Ser for T {
+        fn to_json(&self) -> crate::Result<Vec<u8>> {
+            serde_json::to_vec(self).map_err(|e| crate::Error::Malformed(e.to_string()))
+        }
+    }
+}
+
+/// Run a monitor until the process is killed.
+pub fn run(cfg: MonitorConfig) -> Result<()> {
+    let started = start(cfg)?;
+    info!("monitor {} serving", started.cfg.id);
+    loop {
+        std::thread::park();
+    }
+}
+
+/// Start a monitor's threads; returns once it serves.
+pub fn start(cfg: MonitorConfig) -> Result<Arc<Monitor>> {
+    let secret = Secret::load(&cfg.key_file)?;
+    let listen: SocketAddr = cfg.monitors[cfg.id as usize - 1];
+    let (tx, rx) = crossbeam::channel::unbounded();
+    let store = MonStore::open(&cfg.data_dir, &cfg.fsid, tx)
+        .map_err(|e| Error::io(format!("monitor data dir {}", cfg.data_dir.display()), e))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("mon-raft")
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io("tokio runtime", e))?;
+    let disp = Arc::new(MonDispatcher(OnceLock::new()));
+    let msgr = Arc::new(Messenger::new(
+        messenger::Config {
+            handler_threads: 4,
+            // Many processes share few cores: sleep right away instead of spinning.
+            busy_poll: Duration::ZERO,
+            ..messenger::Config::default()
+        },
+        Identity::Node(MON_IDENTITY_BASE + cfg.id),
+        secret,
+        disp.clone(),
+    )?);
+    let mon = Arc::new(Monitor {
+        cfg: cfg.clone(),
+        rt,
+        raft: OnceLock::new(),
+        store: store.clone(),
+        subs: Mutex::new(Vec::new()),
+        seen: Mutex::new(HashMap::new()),
+        down_since: Mutex::new(HashMap::new()),
+    });
+    let raft_cfg = openraft::Config {
+        cluster_name: format!("nvstore-{}", cfg.fsid),
+        heartbeat_interval: 100,
+        election_timeout_min: 400,
+        election_timeout_max: 800,
+        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(1000),
+        max_in_snapshot_log_to_keep: 100,
+        ..openraft::Config::default()
+    }
+    .validate()
+    .map_err(|e| Error::Config(e.to_string()))?;
+    let pristine = store.is_pristine();
+    let (log_store, sm) = Adaptor::new(store);
+    let net = Network {
+        msgr: msgr.clone(),
+        timeout: Duration::from_secs(2),
+    };
+    let raft = mon
+        .rt
+        .block_on(Raft::new(
+            cfg.id as u64,
+            Arc::new(raft_cfg),
+            net,
+            log_store,
+            sm,
+        ))
+        .map_err(|e| Error::Monitor(e.to_string()))?;
+    let _ = mon.raft.set(raft);
+    let _ = disp.0.set(mon.clone());
+    msgr.listen(listen)?;
+    if pristine && cfg.id == 1 {
+        let members: BTreeMap<u64, BasicNode> = cfg
+            .monitors
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                (
+                    i as u64 + 1,
+                    BasicNode {
+                        addr: a.to_string(),
+                    },
+                )
+            })
+            .collect();
+        mon.rt
+            .block_on(mon.raft().initialize(members))
+            .map_err(|e| Error::Monitor(format!("initialize raft: {e}")))?;
+    }
+    // The messenger lives as long as the process (its threads hold what they need).
+    std::mem::forget(msgr);
+    let m = mon.clone();
+    std::thread::Builder::new()
+        .name("mon-push".into())
+        .spawn(move || m.push_loop(rx))
+        .map_err(|e| Error::io("spawn", e))?;
+    let m = mon.clone();
+    std::thread::Builder::new()
+        .name("mon-liveness".into())
+        .spawn(move || m.liveness_loop())
+        .map_err(|e| Error::io("spawn", e))?;
+    Ok(mon)
+}

@@ -1,0 +1,865 @@
+//! A node's own shards: applying shard writes (with the record that undoes them), reads,
+//! stats, rollbacks, and the per-PG log, all on the local stores.
+//!
+//! Store keys (docs/format.md, "Cluster messages" → "Shard objects"):
+//! * `(pool, name, shard)` — shard data; xattr `nv.meta` = [`ShardMeta`], `nv.rb` = the
+//!   [`Rollback`] of the last write, `u.<name>` = user xattrs (every shard carries them all).
+//! * `(pool, name, shard | 0x80)` — rollback bytes too large for the xattr.
+//! * `(pool, "\0log" ‖ pg BE32 ‖ version BE64 ‖ name, 0xFE)` — per-PG log entry (empty).
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Mutex;
+
+use driver::FileDevice;
+use store::{ObjectKey, Store, StoreError, Transaction};
+
+use crate::error::{Error, Result};
+use crate::wire::{Dec, Enc, Status};
+
+/// Rollback bytes kept inline in the `nv.rb` xattr up to this size.
+const ROLLBACK_INLINE_BYTES_MAX: usize = 32 << 10;
+/// Per-PG log entries a member keeps.
+pub const PG_LOG_ENTRIES_MAX: usize = 512;
+pub const SHARD_ROLLBACK_BIT: u8 = 0x80;
+pub const SHARD_LOG: u8 = 0xFE;
+const XATTR_META: &str = "nv.meta";
+const XATTR_RB: &str = "nv.rb";
+const USER_PREFIX: &str = "u.";
+/// `base_version` meaning "whatever the member has".
+pub const BASE_ANY: u64 = u64::MAX;
+
+/// The object as one shard knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ShardMeta {
+    pub version: u64,
+    /// Logical object size.
+    pub size: u64,
+    pub mtime_unix_ns: u64,
+    /// A tombstone: the object was removed at `version`.
+    pub deleted: bool,
+}
+
+impl ShardMeta {
+    pub fn encode(&self, e: &mut Enc) {
+        e.u64(self.version)
+            .u64(self.size)
+            .u64(self.mtime_unix_ns)
+            .u8(self.deleted as u8);
+    }
+    pub fn decode(d: &mut Dec) -> Result<ShardMeta> {
+        Ok(ShardMeta {
+            version: d.u64()?,
+            size: d.u64()?,
+            mtime_unix_ns: d.u64()?,
+            deleted: d.u8()? != 0,
+        })
+    }
+    fn to_bytes(self) -> Vec<u8> {
+        let mut e = Enc::default();
+        self.encode(&mut e);
+        e.0
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Restore {
+    /// Only metadata and xattrs changed.
+    Nothing,
+    /// The object did not exist: remove it.
+    Remove,
+    /// Put back the whole old shard.
+    Full(Vec<u8>),
+    /// Put back old bytes at an offset.
+    Range(u64, Vec<u8>),
+}
+
+/// How to undo the last write on a shard.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rollback {
+    pub version_from: u64,
+    pub prev: Option<ShardMeta>,
+    pub restore: Restore,
+    /// Old values of the user xattrs the write touched (`None`: absent).
+    pub xattrs: Vec<(String, Option<Vec<u8>>)>,
+}
+
+impl Rollback {
+    /// Encode; bytes over the inline limit go to `spill` instead.
+    fn encode(&self, spill: &mut Option<Vec<u8>>) -> Vec<u8> {
+        let mut e = Enc::default();
+        e.u64(self.version_from);
+        match &self.prev {
+            Some(m) => {
+                e.u8(1);
+                m.encode(&mut e);
+            }
+            None => {
+                e.u8(0);
+            }
+        }
+        let (kind, off, bytes): (u8, u64, &[u8]) = match &self.restore {
+            Restore::Nothing => (0, 0, &[]),
+            Restore::Remove => (1, 0, &[]),
+            Restore::Full(b) => (2, 0, b),
+            Restore::Range(o, b) => (3, *o, b),
+        };
+        e.u8(kind).u64(off);
+        if bytes.len() > ROLLBACK_INLINE_BYTES_MAX {
+            e.u8(1);
+            *spill = Some(bytes.to_vec());
+        } else {
+            e.u8(0).bytes(bytes);
+        }
+        e.u32(self.xattrs.len() as u32);
+        for (k, v) in &self.xattrs {
+            e.str(k);
+            match v {
+                Some(v) => e.u8(1).bytes(v),
+                None => e.u8(0),
+            };
+        }
+        e.0
+    }
+
+    fn decode(b: &[u8], spilled: impl FnOnce() -> Result<Vec<u8>>) -> Result<Rollback> {
+        let mut d = Dec::new(b);
+        let version_from = d.u64()?;
+        let prev = match d.u8()? {
+            0 => None,
+            _ => Some(ShardMeta::decode(&mut d)?),
+        };
+        let kind = d.u8()?;
+        let off = d.u64()?;
+        let bytes = match d.u8()? {
+            0 => d.bytes()?.to_vec(),
+            _ => spilled()?,
+        };
+        let restore = match kind {
+            0 => Restore::Nothing,
+            1 => Restore::Remove,
+            2 => Restore::Full(bytes),
+            _ => Restore::Range(off, bytes),
+        };
+        let n = d.u32()? as usize;
+        let mut xattrs = Vec::with_capacity(n.min(256));
+        for _ in 0..n {
+            let k = d.str()?.to_string();
+            let v = match d.u8()? {
+                0 => None,
+                _ => Some(d.bytes()?.to_vec()),
+            };
+            xattrs.push((k, v));
+        }
+        Ok(Rollback {
+            version_from,
+            prev,
+            restore,
+            xattrs,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteKind {
+    /// Replace the shard (and every user xattr).
+    Full = 0,
+    /// Write bytes at an offset.
+    Range = 1,
+    /// Metadata and xattr changes only.
+    Meta = 2,
+}
+
+/// One shard write, as a primary sends it.
+#[derive(Debug, Clone)]
+pub struct ShardWrite<'a> {
+    pub pool: u64,
+    pub pg: u32,
+    pub name: &'a [u8],
+    pub shard: u8,
+    pub kind: WriteKind,
+    /// The version the member must hold (Range/Meta), or [`BASE_ANY`].
+    pub base_version: u64,
+    pub meta: ShardMeta,
+    pub offset: u64,
+    /// Full: the complete set; Range/Meta: changes (`None` removes).
+    pub xattrs: Vec<(String, Option<Vec<u8>>)>,
+    pub data: &'a [u8],
+}
+
+impl<'a> ShardWrite<'a> {
+    /// Everything but the data; the data goes as the message's last part (u32 length first).
+    pub fn encode_header(&self, epoch: u64) -> Vec<u8> {
+        let mut e = Enc::new(epoch);
+        e.u64(self.pool)
+            .u32(self.pg)
+            .bytes(self.name)
+            .u8(self.shard)
+            .u8(self.kind as u8)
+            .u64(self.base_version);
+        self.meta.encode(&mut e);
+        e.u64(self.offset).u32(self.xattrs.len() as u32);
+        for (k, v) in &self.xattrs {
+            e.str(k);
+            match v {
+                Some(v) => e.u8(1).bytes(v),
+                None => e.u8(0),
+            };
+        }
+        e.u32(self.data.len() as u32);
+        e.0
+    }
+
+    pub fn decode(d: &mut Dec<'a>) -> Result<ShardWrite<'a>> {
+        let pool = d.u64()?;
+        let pg = d.u32()?;
+        let name = d.bytes()?;
+        let shard = d.u8()?;
+        let kind = match d.u8()? {
+            0 => WriteKind::Full,
+            1 => WriteKind::Range,
+            2 => WriteKind::Meta,
+            k => return Err(Error::Malformed(format!("shard write kind {k}"))),
+        };
+        let base_version = d.u64()?;
+        let meta = ShardMeta::decode(d)?;
+        let offset = d.u64()?;
+        let n = d.u32()? as usize;
+        let mut xattrs = Vec::with_capacity(n.min(256));
+        for _ in 0..n {
+            let k = d.str()?.to_string();
+            let v = match d.u8()? {
+                0 => None,
+                _ => Some(d.bytes()?.to_vec()),
+            };
+            xattrs.push((k, v));
+        }
+        let data = d.bytes()?;
+        d.end()?;
+        Ok(ShardWrite {
+            pool,
+            pg,
+            name,
+            shard,
+            kind,
+            base_version,
+            meta,
+            offset,
+            xattrs,
+            data,
+        })
+    }
+}
+
+/// A shard's state as `stat` reports it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ShardState {
+    pub meta: Option<ShardMeta>,
+    /// The version the stored rollback record undoes (0: none).
+    pub rollback_from: u64,
+    pub xattrs: BTreeMap<String, Vec<u8>>,
+}
+
+impl ShardState {
+    pub fn encode(&self, e: &mut Enc) {
+        match &self.meta {
+            Some(m) => {
+                e.u8(1);
+                m.encode(e);
+            }
+            None => {
+                e.u8(0);
+            }
+        }
+        e.u64(self.rollback_from).u32(self.xattrs.len() as u32);
+        for (k, v) in &self.xattrs {
+            e.str(k).bytes(v);
+        }
+    }
+    pub fn decode(d: &mut Dec) -> Result<ShardState> {
+        let meta = match d.u8()? {
+            0 => None,
+            _ => Some(ShardMeta::decode(d)?),
+        };
+        let rollback_from = d.u64()?;
+        let n = d.u32()? as usize;
+        let mut xattrs = BTreeMap::new();
+        for _ in 0..n {
+            xattrs.insert(d.str()?.to_string(), d.bytes()?.to_vec());
+        }
+        Ok(ShardState {
+            meta,
+            rollback_from,
+            xattrs,
+        })
+    }
+}
+
+/// The node's stores and the indexes it keeps over them.
+pub struct Local {
+    pub stores: Vec<Store<FileDevice>>,
+    meta_cache: Mutex<HashMap<ObjectKey, Option<ShardMeta>>>,
+    pg_logs: Mutex<HashMap<(u64, u32), VecDeque<ObjectKey>>>,
+}
+
+fn log_name(pg: u32, version: u64, name: &[u8]) -> Vec<u8> {
+    let mut n = Vec::with_capacity(16 + name.len());
+    n.extend_from_slice(b"\0log");
+    n.extend_from_slice(&pg.to_be_bytes());
+    n.extend_from_slice(&version.to_be_bytes());
+    n.extend_from_slice(name);
+    n
+}
+
+fn user_xattrs(all: BTreeMap<String, Vec<u8>>) -> BTreeMap<String, Vec<u8>> {
+    all.into_iter()
+        .filter_map(|(k, v)| k.strip_prefix(USER_PREFIX).map(|n| (n.to_string(), v)))
+        .collect()
+}
+
+impl Local {
+    pub fn new(stores: Vec<Store<FileDevice>>) -> Local {
+        Local {
+            stores,
+            meta_cache: Mutex::new(HashMap::new()),
+            pg_logs: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The store a PG's shards live on.
+    pub fn store(&self, pool: u64, pg: u32) -> &Store<FileDevice> {
+        let i = (crc32c::crc32c(&[pool.to_le_bytes(), (pg as u64).to_le_bytes()].concat())
+            as usize)
+            % self.stores.len();
+        &self.stores[i]
+    }
+
+    pub fn meta(&self, st: &Store<FileDevice>, key: &ObjectKey) -> Result<Option<ShardMeta>> {
+        if let Some(m) = self.meta_cache.lock().unwrap().get(key) {
+            return Ok(*m);
+        }
+        let m = match st.get_xattr(key, XATTR_META) {
+            Ok(b) => Some(ShardMeta::decode(&mut Dec::new(&b))?),
+            Err(StoreError::NotFound(_)) | Err(StoreError::NoXattr { .. }) => None,
+            Err(e) => return Err(e.into()),
+        };
+        self.meta_cache.lock().unwrap().insert(key.clone(), m);
+        Ok(m)
+    }
+
+    pub fn stat(&self, pool: u64, pg: u32, name: &[u8], shard: u8) -> Result<ShardState> {
+        let st = self.store(pool, pg);
+        let key = ObjectKey::new(pool, name, shard);
+        let Some(meta) = self.meta(st, &key)? else {
+            return Ok(ShardState::default());
+        };
+        let all = st.xattrs(&key)?;
+        let rollback_from = all
+            .get(XATTR_RB)
+            .and_then(|b| Dec::new(b).u64().ok())
+            .unwrap_or(0);
+        Ok(ShardState {
+            meta: Some(meta),
+            rollback_from,
+            xattrs: user_xattrs(all),
+        })
+    }
+
+    /// Read `len` bytes at `offset` of the shard, if it is at `version`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn read(
+        &self,
+        pool: u64,
+        pg: u32,
+        name: &[u8],
+        shard: u8,
+        version: u64,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>> {
+        let st = self.store(pool, pg);
+        let key = ObjectKey::new(pool, name, shard);
+        let have = self.meta(st, &key)?.map_or(0, |m| m.version);
+        if have != version {
+            return Err(Error::remote(
+                Status::VersionMismatch,
+                format!("shard {shard} holds version {have}, not {version}"),
+            ));
+        }
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        match st.read_vec(&key, offset, len) {
+            Ok(v) => Ok(v),
+            Err(StoreError::NotFound(_)) => Ok(Vec::new()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn load_log(&self, st: &Store<FileDevice>, pool: u64, pg: u32) -> VecDeque<ObjectKey> {
+        let prefix = log_name(pg, 0, b"");
+        let start = ObjectKey::new(pool, &prefix[..8], SHARD_LOG);
+        let mut out = VecDeque::new();
+        let mut after = start;
+        loop {
+            let batch = st.list(pool, Some(&after), 1024);
+            let Some(last) = batch.last().map(|(k, _)| k.clone()) else {
+                break;
+            };
+            let mut done = false;
+            for (k, _) in batch {
+                if !k.name.starts_with(&prefix[..8]) {
+                    done = true;
+                    break;
+                }
+                if k.shard == SHARD_LOG {
+                    out.push_back(k);
+                }
+            }
+            if done {
+                break;
+            }
+            after = last;
+        }
+        out
+    }
+
+    /// Apply a shard write durably (with its rollback record and log entry).
+    pub fn apply(&self, w: &ShardWrite) -> Result<()> {
+        let st = self.store(w.pool, w.pg);
+        let key = ObjectKey::new(w.pool, w.name, w.shard);
+        let cur = self.meta(st, &key)?;
+        if w.base_version != BASE_ANY && cur.map_or(0, |m| m.version) != w.base_version {
+            return Err(Error::remote(
+                Status::VersionMismatch,
+                format!(
+                    "shard {} holds version {}, the write is based on {}",
+                    w.shard,
+                    cur.map_or(0, |m| m.version),
+                    w.base_version
+                ),
+            ));
+        }
+        let exists = st.exists(&key);
+        let old_all = if exists {
+            st.xattrs(&key)?
+        } else {
+            BTreeMap::new()
+        };
+        let old_user = user_xattrs(old_all);
+        let restore = match (w.kind, exists) {
+            (WriteKind::Meta, _) => Restore::Nothing,
+            (_, false) => Restore::Remove,
+            (WriteKind::Full, true) => Restore::Full(st.read_vec(&key, 0, u64::MAX)?),
+            (WriteKind::Range, true) => {
+                Restore::Range(w.offset, st.read_vec(&key, w.offset, w.data.len() as u64)?)
+            }
+        };
+        let mut undo: Vec<(String, Option<Vec<u8>>)> = Vec::new();
+        if w.kind == WriteKind::Full {
+            for (k, v) in &old_user {
+                undo.push((k.clone(), Some(v.clone())));
+            }
+            for (k, _) in &w.xattrs {
+                if !old_user.contains_key(k) {
+                    undo.push((k.clone(), None));
+                }
+            }
+        } else {
+            for (k, _) in &w.xattrs {
+                undo.push((k.clone(), old_user.get(k).cloned()));
+            }
+        }
+        let rb = Rollback {
+            version_from: w.meta.version,
+            prev: cur,
+            restore,
+            xattrs: undo,
+        };
+        let mut spill = None;
+        let rb_bytes = rb.encode(&mut spill);
+        let meta_bytes = w.meta.to_bytes();
+        let rb_key = ObjectKey::new(w.pool, w.name, w.shard | SHARD_ROLLBACK_BIT);
+        let log_key = ObjectKey::new(w.pool, log_name(w.pg, w.meta.version, w.name), SHARD_LOG);
+        let names: Vec<(String, Option<Vec<u8>>)> = w
+            .xattrs
+            .iter()
+            .map(|(k, v)| (format!("{USER_PREFIX}{k}"), v.clone()))
+            .collect();
+        let mut t = Transaction::new();
+        match w.kind {
+            WriteKind::Full => {
+                if exists {
+                    t.remove(key.clone());
+                }
+                t.write_full(key.clone(), w.data);
+            }
+            WriteKind::Range => {
+                t.write(key.clone(), w.offset, w.data);
+            }
+            WriteKind::Meta => {
+                if !exists {
+                    return Err(Error::remote(
+                        Status::NotFound,
+                        format!("shard {} has no object to update", w.shard),
+                    ));
+                }
+            }
+        }
+        t.set_xattr(key.clone(), XATTR_META, &meta_bytes);
+        t.set_xattr(key.clone(), XATTR_RB, &rb_bytes);
+        if let Some(s) = &spill {
+            t.write_full(rb_key, s);
+        }
+        for ((k, v), (plain, _)) in names.iter().zip(&w.xattrs) {
+            match v {
+                Some(v) => {
+                    t.set_xattr(key.clone(), k, v);
+                }
+                None if w.kind != WriteKind::Full && old_user.contains_key(plain) => {
+                    t.rm_xattr(key.clone(), k);
+                }
+                None => {}
+            }
+        }
+        t.write_full(log_key.clone(), &[]);
+        let mut logs = self.pg_logs.lock().unwrap();
+        let log = logs
+            .entry((w.pool, w.pg))
+            .or_insert_with(|| self.load_log(st, w.pool, w.pg));
+        let mut trimmed = Vec::new();
+        while log.len() + 1 > PG_LOG_ENTRIES_MAX {
+            trimmed.push(log.pop_front().expect("non-empty"));
+        }
+        drop(logs);
+        for k in &trimmed {
+            if st.exists(k) {
+                t.remove(k.clone());
+            }
+        }
+        let r = st.commit(t);
+        self.meta_cache.lock().unwrap().remove(&key);
+        r?;
+        self.pg_logs
+            .lock()
+            .unwrap()
+            .entry((w.pool, w.pg))
+            .or_default()
+            .push_back(log_key);
+        self.meta_cache.lock().unwrap().insert(key, Some(w.meta));
+        Ok(())
+    }
+
+    /// Undo the write that produced `version_from` (it must be the shard's current version).
+    pub fn rollback(
+        &self,
+        pool: u64,
+        pg: u32,
+        name: &[u8],
+        shard: u8,
+        version_from: u64,
+    ) -> Result<ShardState> {
+        let st = self.store(pool, pg);
+        let key = ObjectKey::new(pool, name, shard);
+        let cur = self.meta(st, &key)?;
+        if cur.map_or(0, |m| m.version) != version_from {
+            return Err(Error::remote(
+                Status::VersionMismatch,
+                format!(
+                    "shard {shard} is at version {}, not {version_from}",
+                    cur.map_or(0, |m| m.version)
+                ),
+            ));
+        }
+        let rb_key = ObjectKey::new(pool, name, shard | SHARD_ROLLBACK_BIT);
+        let rb_raw = st.get_xattr(&key, XATTR_RB)?;
+        let rb = Rollback::decode(&rb_raw, || Ok(st.read_vec(&rb_key, 0, u64::MAX)?))?;
+        if rb.version_from != version_from {
+            return Err(Error::remote(
+                Status::Invalid,
+                format!(
+                    "shard {shard}: the rollback record undoes version {}, not {version_from}",
+                    rb.version_from
+                ),
+            ));
+        }
+        let mut t = Transaction::new();
+        let mut cleared = false;
+        match &rb.restore {
+            Restore::Nothing => {}
+            Restore::Remove => {
+                t.remove(key.clone());
+            }
+            Restore::Full(b) => {
+                t.remove(key.clone());
+                t.write_full(key.clone(), b);
+                cleared = true;
+            }
+            Restore::Range(off, b) => {
+                t.write(key.clone(), *off, b);
+            }
+        }
+        let prev_bytes = rb.prev.map(|m| m.to_bytes());
+        let names: Vec<(String, &Option<Vec<u8>>)> = rb
+            .xattrs
+            .iter()
+            .map(|(k, v)| (format!("{USER_PREFIX}{k}"), v))
+            .collect();
+        let now_user = if cleared || rb.restore == Restore::Remove {
+            BTreeMap::new()
+        } else {
+            user_xattrs(st.xattrs(&key)?)
+        };
+        if rb.restore != Restore::Remove {
+            match &prev_bytes {
+                Some(p) => {
+                    t.set_xattr(key.clone(), XATTR_META, p);
+                }
+                None => {
+                    t.remove(key.clone());
+                }
+            }
+            if !cleared {
+                t.rm_xattr(key.clone(), XATTR_RB);
+            }
+            for ((k, v), (plain, _)) in names.iter().zip(&rb.xattrs) {
+                match v {
+                    Some(v) => {
+                        t.set_xattr(key.clone(), k, v);
+                    }
+                    None if now_user.contains_key(plain) => {
+                        t.rm_xattr(key.clone(), k);
+                    }
+                    None => {}
+                }
+            }
+        }
+        let log_key = ObjectKey::new(pool, log_name(pg, version_from, name), SHARD_LOG);
+        if st.exists(&log_key) {
+            t.remove(log_key);
+        }
+        let r = st.commit(t);
+        self.meta_cache.lock().unwrap().remove(&key);
+        r?;
+        self.stat(pool, pg, name, shard)
+    }
+
+    /// Names of objects of `pool` this node holds a live shard of, after `after`.
+    pub fn list(&self, pool: u64, after: &[u8], max: usize) -> Result<Vec<Vec<u8>>> {
+        let mut names: Vec<Vec<u8>> = Vec::new();
+        for st in &self.stores {
+            let mut from = ObjectKey::new(pool, after, u8::MAX);
+            'outer: loop {
+                let batch = st.list(pool, Some(&from), 256);
+                let Some(last) = batch.last().map(|(k, _)| k.clone()) else {
+                    break;
+                };
+                for (k, _) in batch {
+                    if k.name.first() == Some(&0) || k.shard >= SHARD_ROLLBACK_BIT {
+                        continue;
+                    }
+                    if names.last().is_some_and(|n| **n == *k.name) {
+                        continue;
+                    }
+                    if self.meta(st, &k)?.is_some_and(|m| !m.deleted) {
+                        names.push(k.name.to_vec());
+                        if names.len() >= max {
+                            break 'outer;
+                        }
+                    }
+                }
+                from = last;
+            }
+        }
+        names.sort();
+        names.dedup();
+        names.truncate(max);
+        Ok(names)
+    }
+
+    pub fn shard_count(&self) -> u64 {
+        self.stores.iter().map(|s| s.object_count() as u64).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rollback_record_round_trip_and_spill() {
+        let rb = Rollback {
+            version_from: 7,
+            prev: Some(ShardMeta {
+                version: 3,
+                size: 10,
+                mtime_unix_ns: 1,
+                deleted: false,
+            }),
+            restore: Restore::Range(4096, vec![5; 100]),
+            xattrs: vec![("a".into(), None), ("b".into(), Some(vec![1]))],
+        };
+        let mut spill = None;
+        let b = rb.encode(&mut spill);
+        assert!(spill.is_none());
+        assert_eq!(Rollback::decode(&b, || unreachable!()).unwrap(), rb);
+        let big = Rollback {
+            restore: Restore::Full(vec![9; ROLLBACK_INLINE_BYTES_MAX + 1]),
+            ..rb
+        };
+        let b = big.encode(&mut spill);
+        let s = spill.clone().unwrap();
+        assert_eq!(Rollback::decode(&b, || Ok(s)).unwrap(), big);
+    }
+}
+
+#[cfg(test)]
+mod store_tests {
+    use super::*;
+    use driver::FileOptions;
+    use store::{MkfsOptions, StoreConfig};
+
+    fn local() -> (tempfile::TempDir, Local) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dev.img");
+        let dev = FileDevice::create(&path, 256 << 20, FileOptions::default()).unwrap();
+        store::mkfs(
+            &dev,
+            &MkfsOptions {
+                node_id: 1,
+                ..MkfsOptions::default()
+            },
+        )
+        .unwrap();
+        let (st, _) = Store::open(dev, None, StoreConfig::default()).unwrap();
+        (dir, Local::new(vec![st]))
+    }
+
+    fn meta(version: u64, size: u64) -> ShardMeta {
+        ShardMeta {
+            version,
+            size,
+            mtime_unix_ns: version * 10,
+            deleted: false,
+        }
+    }
+
+    fn full<'a>(version: u64, data: &'a [u8], xattrs: &[(&str, &[u8])]) -> ShardWrite<'a> {
+        ShardWrite {
+            pool: 1,
+            pg: 3,
+            name: b"obj",
+            shard: 2,
+            kind: WriteKind::Full,
+            base_version: BASE_ANY,
+            meta: meta(version, data.len() as u64 * 6),
+            offset: 0,
+            xattrs: xattrs
+                .iter()
+                .map(|(k, v)| (k.to_string(), Some(v.to_vec())))
+                .collect(),
+            data,
+        }
+    }
+
+    /// The shard's state less its rollback record (one level of undo is kept).
+    fn snapshot(l: &Local) -> (ShardState, Vec<u8>) {
+        let mut st = l.stat(1, 3, b"obj", 2).unwrap();
+        st.rollback_from = 0;
+        let v = st.meta.map_or(0, |m| m.version);
+        let data = if v == 0 {
+            Vec::new()
+        } else {
+            l.read(1, 3, b"obj", 2, v, 0, u64::MAX).unwrap()
+        };
+        (st, data)
+    }
+
+    /// Every kind of shard write, undone by its rollback record, leaves the shard exactly as
+    /// it was: data, metadata and user xattrs.
+    #[test]
+    fn rollback_restores_data_meta_and_xattrs_for_every_write_kind() {
+        let (_d, l) = local();
+        // Undo a create: the shard disappears.
+        l.apply(&full(10, b"first", &[("a", b"1")])).unwrap();
+        let st = l.rollback(1, 3, b"obj", 2, 10).unwrap();
+        assert_eq!(st, ShardState::default());
+        // Undo a full overwrite (small, inline record).
+        l.apply(&full(11, b"hello world", &[("a", b"1"), ("b", b"2")]))
+            .unwrap();
+        let before = snapshot(&l);
+        l.apply(&full(12, b"HELLO", &[("a", b"9")])).unwrap();
+        assert_eq!(snapshot(&l).1, b"HELLO");
+        l.rollback(1, 3, b"obj", 2, 12).unwrap();
+        assert_eq!(snapshot(&l), before);
+        // Undo a range write that grew the shard, with xattr changes.
+        let w = ShardWrite {
+            kind: WriteKind::Range,
+            base_version: 11,
+            meta: meta(13, 100),
+            offset: 6,
+            xattrs: vec![("a".into(), None), ("c".into(), Some(b"3".to_vec()))],
+            data: b"WORLD!!!",
+            ..full(13, b"", &[])
+        };
+        l.apply(&w).unwrap();
+        assert_eq!(snapshot(&l).1, b"hello WORLD!!!");
+        assert_eq!(snapshot(&l).0.xattrs.get("c").unwrap(), b"3");
+        l.rollback(1, 3, b"obj", 2, 13).unwrap();
+        let after = snapshot(&l);
+        assert_eq!(after.0, before.0);
+        // The bytes past the old length may remain; readers clip to the object's size.
+        assert_eq!(&after.1[..before.1.len()], &before.1[..]);
+        // Undo a metadata-only write.
+        let w = ShardWrite {
+            kind: WriteKind::Meta,
+            base_version: 11,
+            meta: meta(14, 66),
+            xattrs: vec![("b".into(), Some(b"changed".to_vec()))],
+            ..full(14, b"", &[])
+        };
+        l.apply(&w).unwrap();
+        l.rollback(1, 3, b"obj", 2, 14).unwrap();
+        assert_eq!(snapshot(&l).0, before.0);
+        // Undo a remove (a tombstone) and a big overwrite whose old bytes spill to an object.
+        let big = vec![7u8; ROLLBACK_INLINE_BYTES_MAX * 3];
+        l.apply(&full(15, &big, &[])).unwrap();
+        let before_big = snapshot(&l);
+        let mut tomb = full(16, b"", &[]);
+        tomb.meta.deleted = true;
+        l.apply(&tomb).unwrap();
+        assert!(snapshot(&l).0.meta.unwrap().deleted);
+        l.rollback(1, 3, b"obj", 2, 16).unwrap();
+        assert_eq!(snapshot(&l), before_big);
+        // Only the latest write can be undone, and only by its own version.
+        assert!(l.rollback(1, 3, b"obj", 2, 14).is_err());
+        let w = ShardWrite {
+            base_version: 3,
+            ..full(17, b"x", &[])
+        };
+        let w = ShardWrite {
+            kind: WriteKind::Range,
+            ..w
+        };
+        let e = l.apply(&w).unwrap_err();
+        assert_eq!(e.status(), Status::VersionMismatch, "{e}");
+    }
+
+    #[test]
+    fn pg_log_entries_are_kept_per_pg_and_trimmed() {
+        let (_d, l) = local();
+        for v in 1..=(PG_LOG_ENTRIES_MAX as u64 + 20) {
+            l.apply(&full(v, b"x", &[])).unwrap();
+        }
+        let st = &l.stores[0];
+        let n = st
+            .list(1, None, 10_000)
+            .iter()
+            .filter(|(k, _)| k.shard == SHARD_LOG && k.name.starts_with(b"\0log"))
+            .count();
+        assert_eq!(n, PG_LOG_ENTRIES_MAX);
+        // A fresh index (as after a restart) finds the same entries.
+        let reloaded = l.load_log(st, 1, 3);
+        assert_eq!(reloaded.len(), PG_LOG_ENTRIES_MAX);
+        assert!(reloaded.front().unwrap().name.ends_with(b"obj"));
+    }
+}

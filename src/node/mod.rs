@@ -1,0 +1,591 @@
+//! A storage node: its stores, the shard service it gives primaries, and the client ops it
+//! runs for the PGs it leads (`primary`).
+//!
+//! Threads: the messenger's workers hand each message to a queue right on the worker (cheap,
+//! and in arrival order); `node-op-N` threads run client ops, one PG at a time per thread, in
+//! each PG's arrival order; `node-shard-N` threads apply shard ops against the local stores
+//! (they block on group commit, so there are several); `node-heartbeat` reports to the
+//! monitors.
+
+pub mod local;
+pub mod primary;
+
+use std::collections::{HashMap, VecDeque};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::queue::WaitQueue;
+use driver::{BlockDevice, FileDevice, FileOptions};
+use messenger::{
+    Connection, Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret, SendBuf,
+};
+use store::{MkfsOptions, Store, StoreConfig, Uuid};
+use tracing::{info, warn};
+
+use crate::config::NodeConfig;
+use crate::error::{Error, Result};
+use crate::map::NodeInfo;
+use crate::monclient::MonClient;
+use crate::monitor::raft::MonCommand;
+use crate::monitor::NodeStats;
+use crate::wire::{self, Dec, Enc, Status};
+use local::{Local, ShardWrite};
+use primary::PgCache;
+
+/// Threads applying shard ops.
+const SHARD_THREADS: usize = 12;
+/// A staged upload not finished within this long is dropped.
+const STAGING_TTL: Duration = Duration::from_secs(120);
+/// Bytes one client may have staged at once.
+const STAGING_BYTES_MAX: usize = 256 << 20;
+/// How long a message from a newer epoch waits for the node's map to catch up.
+pub const EPOCH_WAIT: Duration = Duration::from_secs(5);
+
+#[derive(Default)]
+pub struct Counters {
+    pub read_ops: AtomicU64,
+    pub write_ops: AtomicU64,
+    pub read_bytes: AtomicU64,
+    pub write_bytes: AtomicU64,
+}
+
+struct PgSlot {
+    queue: VecDeque<Incoming>,
+    running: bool,
+    cache: Arc<Mutex<PgCache>>,
+}
+
+struct Staged {
+    data: Vec<u8>,
+    at: Instant,
+}
+
+pub struct Node {
+    pub id: u32,
+    pub cfg: NodeConfig,
+    pub local: Local,
+    pub monc: Arc<MonClient>,
+    msgr: OnceLock<Arc<Messenger>>,
+    peers: Mutex<HashMap<u32, Connection>>,
+    pgs: Mutex<HashMap<(u64, u32), PgSlot>>,
+    run_q: Arc<WaitQueue<(u64, u32)>>,
+    shard_q: Arc<WaitQueue<Incoming>>,
+    staging: Mutex<HashMap<(Identity, u64), Staged>>,
+    codecs: Mutex<HashMap<ec::Profile, Arc<ec::Codec>>>,
+    pub counters: Counters,
+}
+
+struct NodeDispatcher {
+    node: OnceLock<Arc<Node>>,
+    monc: OnceLock<Arc<MonClient>>,
+}
+
+impl Dispatcher for NodeDispatcher {
+    fn runs_inline(&self, t: u16) -> bool {
+        matches!(
+            t,
+            wire::MSG_CLIENT_OP
+                | wire::MSG_SHARD_WRITE
+                | wire::MSG_SHARD_READ
+                | wire::MSG_SHARD_STAT
+                | wire::MSG_SHARD_ROLLBACK
+        )
+    }
+
+    fn handle(&self, mut msg: Incoming) {
+        if msg.msg_type() == wire::MSG_MON_MAP_PUSH {
+            if let Some(m) = self.monc.get() {
+                m.handle_push(msg.payload());
+            }
+            return;
+        }
+        let Some(node) = self.node.get() else {
+            if msg.is_request() {
+                let _ = msg.reply(OutMessage::new(
+                    wire::MSG_REPLY,
+                    wire::reply_err(0, Status::Io, "node is starting"),
+                ));
+            }
+            return;
+        };
+        match msg.msg_type() {
+            wire::MSG_CLIENT_OP => node.enqueue_op(msg),
+            wire::MSG_SHARD_WRITE
+            | wire::MSG_SHARD_READ
+            | wire::MSG_SHARD_STAT
+            | wire::MSG_SHARD_ROLLBACK => {
+                node.shard_q.push(msg);
+            }
+            t => {
+                let r = match t {
+                    wire::MSG_CLIENT_STAGE => node.stage(&msg),
+                    wire::MSG_CLIENT_LIST => node.list(&msg),
+                    _ => Err(Error::Malformed(format!("unknown message type {t}"))),
+                };
+                node.reply(&mut msg, r);
+            }
+        }
+    }
+}
+
+impl Node {
+    pub fn epoch(&self) -> u64 {
+        self.monc.epoch()
+    }
+
+    fn msgr(&self) -> &Arc<Messenger> {
+        self.msgr.get().expect("messenger started")
+    }
+
+    pub fn reply(&self, msg: &mut Incoming, r: Result<Vec<u8>>) {
+        self.reply_parts(msg, r.map(|b| vec![SendBuf::Vec(b)]));
+    }
+
+    /// Reply with a payload made of several buffers (bulk data goes out without a copy).
+    pub fn reply_parts(&self, msg: &mut Incoming, r: Result<Vec<SendBuf>>) {
+        if !msg.is_request() {
+            return;
+        }
+        let parts = match r {
+            Ok(p) => p,
+            Err(e) => vec![SendBuf::Vec(wire::reply_err(
+                self.epoch(),
+                e.status(),
+                &e.message(),
+            ))],
+        };
+        let _ = msg.reply(OutMessage {
+            msg_type: wire::MSG_REPLY,
+            parts,
+        });
+    }
+
+    pub fn codec(&self, p: ec::Profile) -> Arc<ec::Codec> {
+        self.codecs
+            .lock()
+            .unwrap()
+            .entry(p)
+            .or_insert_with(|| Arc::new(ec::Codec::new(p)))
+            .clone()
+    }
+
+    /// A connection to another node (kept; the messenger reconnects it).
+    pub fn peer(&self, id: u32) -> Result<Connection> {
+        let map = self.monc.map();
+        let addr = map
+            .nodes
+            .get(&id)
+            .ok_or_else(|| Error::remote(Status::Unavailable, format!("no node {id} in the map")))?
+            .addr;
+        // Held across the connect: threads racing to reach the same peer share one
+        // connection (a second one would close the first under the other's requests).
+        let mut peers = self.peers.lock().unwrap();
+        if let Some(c) = peers.get(&id) {
+            if c.peer_addr() == addr {
+                return Ok(c.clone());
+            }
+        }
+        let c = self.msgr().connect(addr, Identity::Node(id))?;
+        if let Some(old) = peers.insert(id, c.clone()) {
+            old.close();
+        }
+        Ok(c)
+    }
+
+    /// Put a client op on its PG's queue (on the messenger worker: cheap, in arrival order).
+    fn enqueue_op(&self, mut msg: Incoming) {
+        let key = {
+            let mut d = Dec::new(msg.payload());
+            match (d.u64(), d.u64(), d.bytes()) {
+                (Ok(_), Ok(pool), Ok(name)) => {
+                    let map = self.monc.map();
+                    let pg = map
+                        .pools
+                        .get(&pool)
+                        .map_or(0, |p| crate::placement::pg_of(p, name));
+                    (pool, pg)
+                }
+                _ => {
+                    return self.reply(
+                        &mut msg,
+                        Err(Error::Malformed("client op header does not decode".into())),
+                    )
+                }
+            }
+        };
+        let mut pgs = self.pgs.lock().unwrap();
+        let slot = pgs.entry(key).or_insert_with(|| PgSlot {
+            queue: VecDeque::new(),
+            running: false,
+            cache: Arc::new(Mutex::new(PgCache::default())),
+        });
+        slot.queue.push_back(msg);
+        if !slot.running {
+            slot.running = true;
+            self.run_q.push(key);
+        }
+    }
+
+    fn op_thread(self: Arc<Self>) {
+        while let Some(key) = self.run_q.pop() {
+            loop {
+                let (job, cache) = {
+                    let mut pgs = self.pgs.lock().unwrap();
+                    let slot = pgs.get_mut(&key).expect("queued PG has a slot");
+                    match slot.queue.pop_front() {
+                        Some(j) => (j, slot.cache.clone()),
+                        None => {
+                            slot.running = false;
+                            break;
+                        }
+                    }
+                };
+                let mut job = job;
+                let r = self.run_client_op(&job, &cache);
+                self.reply_parts(&mut job, r);
+            }
+        }
+    }
+
+    fn shard_thread(self: Arc<Self>) {
+        while let Some(mut msg) = self.shard_q.pop() {
+            let r = self.shard_op(&msg);
+            self.reply_parts(&mut msg, r);
+        }
+    }
+
+    /// Check a shard op's epoch: wait for a newer map; refuse a sender that is no longer the
+    /// PG's primary under ours.
+    fn check_shard_sender(&self, msg: &Incoming, epoch: u64, pool: u64, pg: u32) -> Result<()> {
+        if epoch > self.epoch() {
+            self.monc.wait_epoch(epoch, EPOCH_WAIT);
+        }
+        if epoch < self.epoch() {
+            let map = self.monc.map();
+            let Some(p) = map.pools.get(&pool) else {
+                return Err(Error::remote(Status::NoSuchPool, format!("pool {pool}")));
+            };
+            let a = crate::placement::Acting::compute(&map, p, pg);
+            if a.primary.map(Identity::Node) != Some(msg.peer()) {
+                return Err(Error::remote(
+                    Status::StaleEpoch,
+                    format!(
+                        "{} is not the primary of pg {pool}.{pg:x} at epoch {}",
+                        msg.peer(),
+                        map.epoch
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn shard_op(&self, msg: &Incoming) -> Result<Vec<SendBuf>> {
+        if !matches!(msg.peer(), Identity::Node(_)) {
+            return Err(Error::remote(Status::Invalid, "shard ops are for nodes"));
+        }
+        let p: &[u8] = msg.payload();
+        let mut d = Dec::new(p);
+        let epoch = d.u64()?;
+        match msg.msg_type() {
+            wire::MSG_SHARD_WRITE => {
+                let w = ShardWrite::decode(&mut d)?;
+                self.check_shard_sender(msg, epoch, w.pool, w.pg)?;
+                self.local.apply(&w)?;
+                Ok(vec![SendBuf::Vec(wire::reply_ok(self.epoch(), &[]))])
+            }
+            t => {
+                let pool = d.u64()?;
+                let pg = d.u32()?;
+                let name = d.bytes()?;
+                let shard = d.u8()?;
+                self.check_shard_sender(msg, epoch, pool, pg)?;
+                let mut e = Enc::new(self.epoch());
+                e.u16(Status::Ok as u16);
+                match t {
+                    wire::MSG_SHARD_READ => {
+                        let version = d.u64()?;
+                        let off = d.u64()?;
+                        let len = d.u64()?;
+                        d.end()?;
+                        let data = self.local.read(pool, pg, name, shard, version, off, len)?;
+                        e.u32(data.len() as u32);
+                        return Ok(vec![SendBuf::Vec(e.finish()), SendBuf::Vec(data)]);
+                    }
+                    wire::MSG_SHARD_STAT => {
+                        d.end()?;
+                        self.local.stat(pool, pg, name, shard)?.encode(&mut e);
+                    }
+                    _ => {
+                        let from = d.u64()?;
+                        d.end()?;
+                        self.local
+                            .rollback(pool, pg, name, shard, from)?
+                            .encode(&mut e);
+                    }
+                }
+                Ok(vec![SendBuf::Vec(e.finish())])
+            }
+        }
+    }
+
+    /// `MSG_CLIENT_STAGE`: part of a large write, kept until the op that uses it.
+    fn stage(&self, msg: &Incoming) -> Result<Vec<u8>> {
+        let mut d = Dec::new(msg.payload());
+        let _epoch = d.u64()?;
+        let upload = d.u64()?;
+        let offset = d.u64()?;
+        let data = d.bytes()?;
+        d.end()?;
+        let mut st = self.staging.lock().unwrap();
+        st.retain(|_, s| s.at.elapsed() < STAGING_TTL);
+        let held: usize = st
+            .iter()
+            .filter(|((who, _), _)| *who == msg.peer())
+            .map(|(_, s)| s.data.len())
+            .sum();
+        if held + data.len() > STAGING_BYTES_MAX {
+            return Err(Error::remote(
+                Status::TooLarge,
+                format!(
+                    "{} would stage more than {STAGING_BYTES_MAX} bytes",
+                    msg.peer()
+                ),
+            ));
+        }
+        let s = st.entry((msg.peer(), upload)).or_insert(Staged {
+            data: Vec::new(),
+            at: Instant::now(),
+        });
+        if offset != s.data.len() as u64
+            || offset + data.len() as u64 > crate::ops::OBJECT_BYTES_MAX
+        {
+            return Err(Error::remote(
+                Status::Invalid,
+                format!(
+                    "upload {upload}: part at {offset}, expected {}",
+                    s.data.len()
+                ),
+            ));
+        }
+        s.data.extend_from_slice(data);
+        s.at = Instant::now();
+        Ok(wire::reply_ok(self.epoch(), &[]))
+    }
+
+    pub fn take_staged(&self, who: Identity, upload: u64) -> Result<Vec<u8>> {
+        self.staging
+            .lock()
+            .unwrap()
+            .remove(&(who, upload))
+            .map(|s| s.data)
+            .ok_or_else(|| {
+                Error::remote(
+                    Status::Invalid,
+                    format!(
+                        "no staged upload {upload} from {who} (expired or sent to another node)"
+                    ),
+                )
+            })
+    }
+
+    /// `MSG_CLIENT_LIST`: names of a pool's objects this node holds shards of.
+    fn list(&self, msg: &Incoming) -> Result<Vec<u8>> {
+        let mut d = Dec::new(msg.payload());
+        let _epoch = d.u64()?;
+        let pool = d.u64()?;
+        let after = d.bytes()?;
+        let max = d.u32()?.min(10_000) as usize;
+        d.end()?;
+        let names = self.local.list(pool, after, max)?;
+        let mut e = Enc::new(self.epoch());
+        e.u16(Status::Ok as u16).u32(names.len() as u32);
+        for n in &names {
+            e.bytes(n);
+        }
+        Ok(e.finish())
+    }
+
+    fn stats(&self) -> NodeStats {
+        let (mut used, mut cap) = (0, 0);
+        for s in &self.local.stores {
+            let sp = s.space();
+            used += sp.live_bytes;
+            cap += sp.segments_total * sp.segment_bytes;
+        }
+        NodeStats {
+            read_ops: self.counters.read_ops.load(Relaxed),
+            write_ops: self.counters.write_ops.load(Relaxed),
+            read_bytes: self.counters.read_bytes.load(Relaxed),
+            write_bytes: self.counters.write_bytes.load(Relaxed),
+            shards: self.local.shard_count(),
+            used_bytes: used,
+            capacity_bytes: cap,
+        }
+    }
+
+    fn heartbeat_loop(self: Arc<Self>) {
+        let period = Duration::from_millis(self.cfg.heartbeat_ms.max(50));
+        loop {
+            self.monc.heartbeat(self.id, &self.stats());
+            std::thread::sleep(period);
+        }
+    }
+}
+
+/// Open (creating and labelling when configured) the node's devices.
+fn open_devices(cfg: &NodeConfig, fsid: &[u8; 16]) -> Result<Vec<Store<FileDevice>>> {
+    let mut stores = Vec::new();
+    for spec in &cfg.devices {
+        if crate::storecli::is_pci_address(spec) {
+            return Err(Error::Config(format!(
+                "{spec}: NVMe devices through VFIO are not in this build; use a file path"
+            )));
+        }
+        let path = Path::new(spec);
+        let dev = if path.exists() {
+            FileDevice::open(path, FileOptions::default())?
+        } else {
+            let size = cfg.device_size.ok_or_else(|| {
+                Error::Config(format!(
+                    "{spec}: no such device (set device_size to create it)"
+                ))
+            })?;
+            let dev = FileDevice::create(path, size, FileOptions::default())?;
+            let label = store::mkfs(
+                &dev,
+                &MkfsOptions {
+                    cluster_fsid: *fsid,
+                    node_id: cfg.id,
+                    ..MkfsOptions::default()
+                },
+            )?;
+            info!(
+                "{spec}: created and labelled device {}",
+                Uuid(&label.device_uuid)
+            );
+            dev
+        };
+        let (st, report) = Store::open(dev, Some(*fsid), StoreConfig::default())?;
+        if st.label().node_id != cfg.id {
+            return Err(Error::Config(format!(
+                "{spec}: labelled for node {}, this is node {}",
+                st.label().node_id,
+                cfg.id
+            )));
+        }
+        info!("{spec}: {report}");
+        let _ = st.device().geometry();
+        stores.push(st);
+    }
+    Ok(stores)
+}
+
+/// Start a node; returns once it has registered with the monitors.
+pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
+    let secret = Secret::load(&cfg.key_file)?;
+    std::fs::create_dir_all(&cfg.data_dir)
+        .map_err(|e| Error::io(format!("data dir {}", cfg.data_dir.display()), e))?;
+    let disp = Arc::new(NodeDispatcher {
+        node: OnceLock::new(),
+        monc: OnceLock::new(),
+    });
+    let msgr = Arc::new(Messenger::new(
+        messenger::Config {
+            payload_bytes_max: messenger::frame::PAYLOAD_BYTES_LIMIT,
+            busy_poll: Duration::from_micros(cfg.busy_poll_us),
+            ..messenger::Config::default()
+        },
+        Identity::Node(cfg.id),
+        secret,
+        disp.clone(),
+    )?);
+    let monc = MonClient::new(msgr.clone(), cfg.monitors.clone());
+    let _ = disp.monc.set(monc.clone());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match monc.subscribe() {
+            Ok(_) if !monc.map().fsid.is_empty() => break,
+            Ok(_) => {}
+            Err(e) if Instant::now() > deadline => return Err(e),
+            Err(_) => {}
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let fsid = store::parse_uuid(&monc.map().fsid).ok_or_else(|| {
+        Error::Config(format!("monitor fsid {:?} is not a UUID", monc.map().fsid))
+    })?;
+    let stores = open_devices(&cfg, &fsid)?;
+    let devices = stores
+        .iter()
+        .map(|s| Uuid(&s.label().device_uuid).to_string())
+        .collect();
+    let node = Arc::new(Node {
+        id: cfg.id,
+        cfg: cfg.clone(),
+        local: Local::new(stores),
+        monc: monc.clone(),
+        msgr: OnceLock::new(),
+        peers: Mutex::new(HashMap::new()),
+        pgs: Mutex::new(HashMap::new()),
+        run_q: Arc::new(WaitQueue::new()),
+        shard_q: Arc::new(WaitQueue::new()),
+        staging: Mutex::new(HashMap::new()),
+        codecs: Mutex::new(HashMap::new()),
+        counters: Counters::default(),
+    });
+    let _ = node.msgr.set(msgr.clone());
+    let _ = disp.node.set(node.clone());
+    let addr = msgr.listen(cfg.listen)?;
+    for i in 0..cfg.op_threads.max(1) {
+        let n = node.clone();
+        std::thread::Builder::new()
+            .name(format!("node-op-{i}"))
+            .spawn(move || n.op_thread())
+            .map_err(|e| Error::io("spawn", e))?;
+    }
+    for i in 0..SHARD_THREADS {
+        let n = node.clone();
+        std::thread::Builder::new()
+            .name(format!("node-shard-{i}"))
+            .spawn(move || n.shard_thread())
+            .map_err(|e| Error::io("spawn", e))?;
+    }
+    let r = monc.command(&MonCommand::Boot(NodeInfo {
+        id: cfg.id,
+        addr,
+        host: cfg.host.clone(),
+        weight: cfg.weight,
+        up: true,
+        r#in: true,
+        devices,
+    }))?;
+    if !r.ok {
+        return Err(Error::Monitor(format!(
+            "registration refused: {}",
+            r.message
+        )));
+    }
+    monc.start_poller();
+    let n = node.clone();
+    std::thread::Builder::new()
+        .name("node-heartbeat".into())
+        .spawn(move || n.heartbeat_loop())
+        .map_err(|e| Error::io("spawn", e))?;
+    info!("node {} up at {addr}, map epoch {}", cfg.id, r.epoch);
+    if !monc.map().nodes.contains_key(&cfg.id) {
+        warn!("node {}: registered but not yet in the local map", cfg.id);
+    }
+    std::mem::forget(msgr);
+    Ok(node)
+}
+
+/// Run a node until the process is killed.
+pub fn run(cfg: NodeConfig) -> Result<()> {
+    let _node = start(cfg)?;
+    loop {
+        std::thread::park();
+    }
+}

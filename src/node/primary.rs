@@ -1,0 +1,1243 @@
+//! Client ops on a PG's primary: find the object's authoritative version among the members,
+//! read (degraded when a data shard is missing), and write (encode, fan shard writes out,
+//! acknowledge once every up member is durable and at least min_size are).
+//!
+//! **Which version is the object at?** Each member's shard says its version. The newest
+//! version held by at least k up members is authoritative (decodable). A newer version held by
+//! fewer than k is a write that did not complete: when the members that are known not to hold
+//! it leave fewer than min_size that might, it cannot have been acknowledged and is rolled back
+//! on the members that hold it (each keeps the record that undoes its last write); otherwise
+//! the object is reported unavailable until more members answer. Members at an older version
+//! are stale: they are not read, and take only whole-shard writes until recovery (issue 8)
+//! catches them up.
+//!
+//! Versions are `epoch << 32 | per-PG counter` (and always above the object's current
+//! version): a new primary always has a newer epoch than the last, so versions only grow.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use ec::{Codec, Profile, Shard};
+use messenger::{Incoming, OutMessage, Payload, SendBuf};
+
+use super::local::{ShardMeta, ShardState, ShardWrite, WriteKind, BASE_ANY};
+use super::Node;
+use crate::error::{Error, Result};
+use crate::map::{ClusterMap, PoolInfo};
+use crate::ops::{self, ClientOp, ObjStat, OpResult, SubOp};
+use crate::placement::{pg_of, Acting};
+use crate::queue::WaitQueue;
+use crate::wire::{self, Dec, Enc, Status};
+
+/// Timeout of one shard request.
+const SHARD_TIMEOUT: Duration = Duration::from_secs(10);
+/// Pause before sending a shard write again to a member that failed it.
+const RETRY_PAUSE: Duration = Duration::from_millis(250);
+/// Attempts of an op whose cached object state turned out stale.
+const OP_ATTEMPTS_MAX: u32 = 3;
+/// Objects whose state a PG keeps cached.
+const CACHE_OBJECTS_MAX: usize = 4096;
+/// Longest xattr name.
+const XATTR_NAME_BYTES_MAX: usize = 200;
+
+/// The authoritative state of an object, as the primary determined it.
+#[derive(Debug, Clone, Default)]
+pub struct ObjState {
+    pub version: u64,
+    pub size: u64,
+    pub mtime_unix_ns: u64,
+    pub deleted: bool,
+    /// Slots whose shard is at `version`.
+    pub current: u64,
+    pub xattrs: BTreeMap<String, Vec<u8>>,
+}
+
+impl ObjState {
+    pub fn exists(&self) -> bool {
+        self.version > 0 && !self.deleted
+    }
+}
+
+/// What a PG's primary remembers between ops (reset when the PG's members change).
+#[derive(Default)]
+pub struct PgCache {
+    /// `MonClient::node_change_epoch` when the cache was filled.
+    node_change_epoch: u64,
+    members: Vec<Option<u32>>,
+    objs: HashMap<Vec<u8>, ObjState>,
+    seq: u32,
+}
+
+/// One op's view of its PG.
+pub struct Ctx {
+    pub map: Arc<ClusterMap>,
+    pub pool: PoolInfo,
+    pub pg: u32,
+    pub acting: Acting,
+    pub profile: Profile,
+    pub codec: Arc<Codec>,
+}
+
+impl Ctx {
+    fn k(&self) -> usize {
+        self.pool.k as usize
+    }
+    fn n(&self) -> usize {
+        self.pool.size()
+    }
+    fn up(&self, slot: usize) -> Option<u32> {
+        self.acting.members[slot].filter(|n| self.map.is_up(*n))
+    }
+    /// Bytes of shard `slot` that are not padding.
+    fn clip(&self, slot: usize, size: u64) -> u64 {
+        if size == 0 {
+            return 0;
+        }
+        // Parity is non-zero only where some data shard has bytes; shard 0 has the most.
+        self.profile
+            .shard_data_len(size, if slot >= self.k() { 0 } else { slot })
+    }
+}
+
+fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+fn bit(slot: usize) -> u64 {
+    1u64 << slot
+}
+
+/// Internal: the cached state was stale; resolve again and retry.
+fn stale() -> Error {
+    Error::remote(Status::VersionMismatch, "stale cached object state")
+}
+
+/// The mutation part of a request.
+struct Mutation<'a> {
+    data: Option<SubOp<'a>>,
+    xattrs: Vec<(String, Option<Vec<u8>>)>,
+}
+
+impl Node {
+    pub(super) fn run_client_op(
+        &self,
+        job: &Incoming,
+        cache: &Mutex<PgCache>,
+    ) -> Result<Vec<SendBuf>> {
+        let p: &[u8] = job.payload();
+        let op = ClientOp::decode(p)?;
+        if op.epoch > self.epoch() {
+            self.monc.wait_epoch(op.epoch, super::EPOCH_WAIT);
+        }
+        let staged = if op.flags & ops::FLAG_STAGED != 0 {
+            Some(self.take_staged(job.peer(), op.upload_id)?)
+        } else {
+            None
+        };
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match self.try_op(&op, staged.as_deref(), cache) {
+                Err(Error::Remote {
+                    status: Status::VersionMismatch,
+                    message,
+                }) if message == "stale cached object state" && attempt < OP_ATTEMPTS_MAX => {
+                    cache.lock().unwrap().objs.remove(op.name);
+                }
+                r => return r,
+            }
+        }
+    }
+
+    fn ctx(&self, op: &ClientOp) -> Result<Ctx> {
+        let map = self.monc.map();
+        let pool = map.pools.get(&op.pool).cloned().ok_or_else(|| {
+            Error::remote(
+                Status::NoSuchPool,
+                format!("no pool with id {} at map epoch {}", op.pool, map.epoch),
+            )
+        })?;
+        ops::check_name(op.name).map_err(|m| Error::remote(Status::Invalid, m))?;
+        let pg = pg_of(&pool, op.name);
+        let acting = (*self.monc.acting(&map, &pool, pg)).clone();
+        if acting.primary != Some(self.id) {
+            return Err(Error::remote(
+                Status::WrongPrimary,
+                format!(
+                    "node {} is not the primary of pg {}.{pg:x} at epoch {} (primary: {:?})",
+                    self.id, pool.id, map.epoch, acting.primary
+                ),
+            ));
+        }
+        let profile = pool.profile();
+        Ok(Ctx {
+            codec: self.codec(profile),
+            map,
+            pool,
+            pg,
+            acting,
+            profile,
+        })
+    }
+
+    fn try_op(
+        &self,
+        op: &ClientOp,
+        staged: Option<&[u8]>,
+        cache: &Mutex<PgCache>,
+    ) -> Result<Vec<SendBuf>> {
+        let ctx = self.ctx(op)?;
+        let m = check_ops(op)?;
+        let mut c = cache.lock().unwrap();
+        // Trust cached object states only while no node changed state since they were
+        // learnt: this node may have stopped being primary meanwhile (another one wrote), or a
+        // member may have missed writes.
+        let changed = self.monc.node_change_epoch();
+        if c.members != ctx.acting.members || c.node_change_epoch != changed {
+            c.members = ctx.acting.members.clone();
+            c.node_change_epoch = changed;
+            c.objs.clear();
+        }
+        let st = self.resolve(&ctx, &mut c, op.name)?;
+        for o in &op.ops {
+            match o {
+                SubOp::AssertVersion(v) => {
+                    if !st.exists() {
+                        return Err(not_found(op.name));
+                    }
+                    if st.version != *v {
+                        return Err(Error::remote(
+                            Status::VersionMismatch,
+                            format!("object is at version {}, the op asserted {v}", st.version),
+                        ));
+                    }
+                }
+                SubOp::AssertExists if !st.exists() => return Err(not_found(op.name)),
+                SubOp::AssertAbsent if st.exists() => {
+                    return Err(Error::remote(Status::Exists, "object exists"))
+                }
+                _ => {}
+            }
+        }
+        let mut results = Vec::new();
+        for o in op.ops.iter().filter(|o| o.is_read()) {
+            if !st.exists() {
+                return Err(not_found(op.name));
+            }
+            results.push(match o {
+                SubOp::Stat => OpResult::Stat(ObjStat {
+                    size: st.size,
+                    version: st.version,
+                    mtime_unix_ns: st.mtime_unix_ns,
+                }),
+                SubOp::Read { offset, len } => {
+                    let d = self.read_range(&ctx, op.name, &st, *offset, *len)?;
+                    self.counters.read_bytes.fetch_add(d.len() as u64, Relaxed);
+                    OpResult::Data(d)
+                }
+                SubOp::GetXattr(n) => OpResult::Xattr(
+                    st.xattrs
+                        .get(*n)
+                        .cloned()
+                        .ok_or_else(|| Error::remote(Status::NoXattr, format!("no xattr {n:?}")))?,
+                ),
+                _ => OpResult::Xattrs(
+                    st.xattrs
+                        .iter()
+                        .map(|(k, v)| (k.clone(), v.clone()))
+                        .collect(),
+                ),
+            });
+        }
+        let version = if m.data.is_none() && m.xattrs.is_empty() {
+            self.counters.read_ops.fetch_add(1, Relaxed);
+            st.version
+        } else {
+            self.counters.write_ops.fetch_add(1, Relaxed);
+            self.write(&ctx, &mut c, op.name, &st, m, staged)?
+        };
+        let mut e = Enc::new(ctx.map.epoch);
+        e.u16(Status::Ok as u16);
+        Ok(ops::encode_results_parts(e, version, results))
+    }
+
+    // ---- shard requests -------------------------------------------------------------------
+
+    /// Send one shard request per (slot, parts) and collect the replies; the slot on this
+    /// node runs `local` here, after the remote requests are on their way.
+    fn fan_out(
+        &self,
+        ctx: &Ctx,
+        msg_type: u16,
+        reqs: Vec<(usize, Vec<SendBuf>)>,
+        local: &dyn Fn(usize, Vec<SendBuf>) -> Result<Payload>,
+    ) -> Vec<(usize, Result<Payload>)> {
+        let replies = Arc::new(WaitQueue::new());
+        let mut mine = Vec::new();
+        let mut sent = 0;
+        for (slot, parts) in reqs {
+            let Some(node) = ctx.up(slot) else {
+                replies.push((slot, Err(Error::remote(Status::Unavailable, "member down"))));
+                sent += 1;
+                continue;
+            };
+            if node == self.id {
+                mine.push((slot, parts));
+                continue;
+            }
+            sent += 1;
+            let tx = replies.clone();
+            match self.peer(node) {
+                Ok(conn) => {
+                    let msg = OutMessage { msg_type, parts };
+                    conn.request_with(msg, SHARD_TIMEOUT, move |r| {
+                        let r = r.map_err(Error::from).and_then(|reply| {
+                            let (_, res) = wire::parse_reply_epoch(&reply.payload);
+                            res.map(|_| reply.payload.clone())
+                        });
+                        tx.push((slot, r));
+                    });
+                }
+                Err(e) => {
+                    replies.push((slot, Err(e)));
+                }
+            }
+        }
+        let mut out = Vec::new();
+        for (slot, parts) in mine {
+            out.push((slot, local(slot, parts)));
+        }
+        // Every request ends in exactly one callback (reply, timeout or connection loss).
+        for _ in 0..sent {
+            match replies.pop() {
+                Some(r) => out.push(r),
+                None => break,
+            }
+        }
+        out
+    }
+
+    /// The local half of a small shard request (stat, read, rollback).
+    fn local_small(&self, msg_type: u16) -> impl Fn(usize, Vec<SendBuf>) -> Result<Payload> + '_ {
+        move |_slot, parts: Vec<SendBuf>| {
+            let body: Vec<u8> = parts
+                .iter()
+                .flat_map(|p| p.bytes().iter().copied())
+                .collect();
+            self.local_shard_op(msg_type, &body).map(Payload::from_vec)
+        }
+    }
+
+    fn local_shard_op(&self, msg_type: u16, body: &[u8]) -> Result<Vec<u8>> {
+        let mut d = Dec::new(body);
+        let _epoch = d.u64()?;
+        let mut e = Enc::new(self.epoch());
+        e.u16(Status::Ok as u16);
+        match msg_type {
+            wire::MSG_SHARD_WRITE => {
+                let w = ShardWrite::decode(&mut d)?;
+                self.local.apply(&w)?;
+            }
+            t => {
+                let pool = d.u64()?;
+                let pg = d.u32()?;
+                let name = d.bytes()?;
+                let shard = d.u8()?;
+                match t {
+                    wire::MSG_SHARD_READ => {
+                        let (v, off, len) = (d.u64()?, d.u64()?, d.u64()?);
+                        e.bytes(&self.local.read(pool, pg, name, shard, v, off, len)?);
+                    }
+                    wire::MSG_SHARD_STAT => self.local.stat(pool, pg, name, shard)?.encode(&mut e),
+                    _ => {
+                        let from = d.u64()?;
+                        self.local
+                            .rollback(pool, pg, name, shard, from)?
+                            .encode(&mut e);
+                    }
+                }
+            }
+        }
+        Ok(e.finish())
+    }
+
+    fn shard_req_head(&self, ctx: &Ctx, name: &[u8], slot: usize) -> Enc {
+        let mut e = Enc::new(ctx.map.epoch);
+        e.u64(ctx.pool.id).u32(ctx.pg).bytes(name).u8(slot as u8);
+        e
+    }
+
+    // ---- resolve --------------------------------------------------------------------------
+
+    fn resolve(&self, ctx: &Ctx, c: &mut PgCache, name: &[u8]) -> Result<ObjState> {
+        if let Some(s) = c.objs.get(name) {
+            return Ok(s.clone());
+        }
+        let reqs = (0..ctx.n())
+            .filter(|s| ctx.acting.members[*s].is_some())
+            .map(|s| {
+                (
+                    s,
+                    vec![SendBuf::Vec(self.shard_req_head(ctx, name, s).finish())],
+                )
+            })
+            .collect();
+        let mut states: Vec<Option<ShardState>> = vec![None; ctx.n()];
+        let local = self.local_small(wire::MSG_SHARD_STAT);
+        for (slot, r) in self.fan_out(ctx, wire::MSG_SHARD_STAT, reqs, &local) {
+            if let Ok(p) = r {
+                states[slot] = parse_state(&p).ok();
+            }
+        }
+        // Slots without a member hold nothing: they count as answered.
+        let known = |states: &[Option<ShardState>], s: usize| {
+            states[s].is_some() || ctx.acting.members[s].is_none()
+        };
+        for _ in 0..ctx.n() + 1 {
+            let version =
+                |s: &Option<ShardState>| s.as_ref().and_then(|s| s.meta).map_or(0, |m| m.version);
+            let top = states.iter().map(version).max().unwrap_or(0);
+            let holders: Vec<usize> = (0..ctx.n())
+                .filter(|s| version(&states[*s]) == top && states[*s].is_some())
+                .collect();
+            let unknown = (0..ctx.n()).filter(|s| !known(&states, *s)).count();
+            if top == 0 && unknown >= ctx.k() {
+                // Enough silent members to hold a whole object: "absent" would be a guess.
+                return Err(Error::remote(
+                    Status::Unavailable,
+                    format!(
+                        "object {}: no answering member has it, but {unknown} member(s) do not \
+                         answer; retry when they are back",
+                        String::from_utf8_lossy(name)
+                    ),
+                ));
+            }
+            if top == 0 {
+                let st = ObjState {
+                    current: holders.iter().fold(0, |a, s| a | bit(*s)),
+                    ..ObjState::default()
+                };
+                remember(c, name, &st);
+                return Ok(st);
+            }
+            if holders.len() >= ctx.k() {
+                let first = states[holders[0]].as_ref().unwrap();
+                let meta = first.meta.unwrap();
+                let st = ObjState {
+                    version: meta.version,
+                    size: meta.size,
+                    mtime_unix_ns: meta.mtime_unix_ns,
+                    deleted: meta.deleted,
+                    current: holders.iter().fold(0, |a, s| a | bit(*s)),
+                    xattrs: first.xattrs.clone(),
+                };
+                remember(c, name, &st);
+                return Ok(st);
+            }
+            // Members that answer without `top` prove it was never acknowledged only if they
+            // were the members when it was written (its epoch is in the version): after a
+            // remap, the shards that acknowledged it may sit on nodes no longer asked.
+            let same_members = (top >> 32) >= ctx.map.membership_epoch;
+            if !same_members || holders.len() + unknown >= ctx.pool.min_size as usize {
+                return Err(Error::remote(
+                    Status::Unavailable,
+                    format!(
+                        "object {}: version {top} is on {} shard(s) (k = {}), {unknown} \
+                         member(s) do not answer{}, so whether it was acknowledged is unknown; \
+                         retry when they are back (or after recovery)",
+                        String::from_utf8_lossy(name),
+                        holders.len(),
+                        ctx.k(),
+                        if same_members {
+                            ""
+                        } else {
+                            " and the PG's members changed since it was written"
+                        }
+                    ),
+                ));
+            }
+            // Provably never acknowledged: undo it where it landed.
+            let reqs = holders
+                .iter()
+                .map(|&s| {
+                    let mut e = self.shard_req_head(ctx, name, s);
+                    e.u64(top);
+                    (s, vec![SendBuf::Vec(e.finish())])
+                })
+                .collect();
+            let local = self.local_small(wire::MSG_SHARD_ROLLBACK);
+            for (slot, r) in self.fan_out(ctx, wire::MSG_SHARD_ROLLBACK, reqs, &local) {
+                let p = r?;
+                states[slot] = Some(parse_state(&p)?);
+            }
+        }
+        Err(Error::remote(Status::Internal, "resolve did not converge"))
+    }
+
+    // ---- read -----------------------------------------------------------------------------
+
+    /// Fetch shard ranges (slot, offset, len) at the object's version, clipped to the shard's
+    /// meaningful bytes and zero-padded to `len`.
+    fn fetch(
+        &self,
+        ctx: &Ctx,
+        name: &[u8],
+        st: &ObjState,
+        want: &[(usize, u64, u64)],
+    ) -> Result<HashMap<usize, Fetched>> {
+        let reqs = want
+            .iter()
+            .map(|&(slot, off, len)| {
+                let mut e = self.shard_req_head(ctx, name, slot);
+                e.u64(st.version).u64(off).u64(len);
+                (slot, vec![SendBuf::Vec(e.finish())])
+            })
+            .collect();
+        let mut out = HashMap::new();
+        let local = self.local_small(wire::MSG_SHARD_READ);
+        for (slot, r) in self.fan_out(ctx, wire::MSG_SHARD_READ, reqs, &local) {
+            let p = match r {
+                Ok(p) => p,
+                Err(Error::Remote {
+                    status: Status::VersionMismatch,
+                    ..
+                }) => return Err(stale()),
+                Err(e) => return Err(Error::FetchFailed(slot, Box::new(e))),
+            };
+            let mut d = Dec::new(&p);
+            d.u64()?;
+            d.u16()?;
+            let n = d.u32()? as usize;
+            let at = d.pos();
+            if p.len() - at < n {
+                return Err(Error::Malformed("shard read reply is short".into()));
+            }
+            let &(_, off, len) = want.iter().find(|w| w.0 == slot).expect("asked");
+            let clip = ctx.clip(slot, st.size).saturating_sub(off).min(len) as usize;
+            out.insert(
+                slot,
+                Fetched {
+                    data: p.slice(at, n.min(clip)),
+                    len: len as usize,
+                },
+            );
+        }
+        Ok(out)
+    }
+
+    /// Object bytes `[offset, offset + len)` (clamped to the size), degraded when needed.
+    fn read_range(
+        &self,
+        ctx: &Ctx,
+        name: &[u8],
+        st: &ObjState,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>> {
+        if offset >= st.size || len == 0 {
+            return Ok(Vec::new());
+        }
+        // A shard that fails to answer is read around (degraded), as long as k others can.
+        let mut excluded = 0u64;
+        loop {
+            match self.read_range_without(ctx, name, st, offset, len, excluded) {
+                Err(Error::Remote {
+                    status: Status::VersionMismatch,
+                    message,
+                }) => {
+                    return Err(Error::Remote {
+                        status: Status::VersionMismatch,
+                        message,
+                    })
+                }
+                Err(Error::FetchFailed(slot, _)) if excluded & bit(slot) == 0 => {
+                    excluded |= bit(slot)
+                }
+                Err(Error::FetchFailed(_, e)) => return Err(*e),
+                r => return r,
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn read_range_without(
+        &self,
+        ctx: &Ctx,
+        name: &[u8],
+        st: &ObjState,
+        offset: u64,
+        len: u64,
+        excluded: u64,
+    ) -> Result<Vec<u8>> {
+        let len = len.min(st.size - offset);
+        let k = ctx.k();
+        let mut ranges: BTreeMap<usize, (u64, u64)> = BTreeMap::new();
+        for e in ctx.profile.extents(offset, len) {
+            let r = ranges.entry(e.shard).or_insert((u64::MAX, 0));
+            r.0 = r.0.min(e.shard_offset);
+            r.1 = r.1.max(e.shard_offset + e.len as u64);
+        }
+        let avail =
+            |s: usize| st.current & bit(s) != 0 && excluded & bit(s) == 0 && ctx.up(s).is_some();
+        let missing: Vec<usize> = ranges.keys().copied().filter(|s| !avail(*s)).collect();
+        let bufs: HashMap<usize, (u64, Fetched)> = if missing.is_empty() {
+            let want: Vec<_> = ranges
+                .iter()
+                .map(|(s, (lo, hi))| (*s, *lo, hi - lo))
+                .collect();
+            self.fetch(ctx, name, st, &want)?
+                .into_iter()
+                .map(|(s, f)| (s, (ranges[&s].0, f)))
+                .collect()
+        } else {
+            let lo = ranges.values().map(|r| r.0).min().unwrap();
+            let hi = ranges.values().map(|r| r.1).max().unwrap();
+            let mut sources: Vec<usize> = ranges.keys().copied().filter(|s| avail(*s)).collect();
+            let mut others: Vec<usize> = (0..ctx.n())
+                .filter(|s| avail(*s) && !sources.contains(s))
+                .collect();
+            others.sort_by_key(|s| (ctx.acting.members[*s] != Some(self.id), *s));
+            sources.extend(others);
+            sources.truncate(k);
+            if sources.len() < k {
+                return Err(Error::remote(
+                    Status::Unavailable,
+                    format!(
+                        "object {}: only {} current shard(s) reachable, {k} needed",
+                        String::from_utf8_lossy(name),
+                        sources.len()
+                    ),
+                ));
+            }
+            let want: Vec<_> = sources.iter().map(|s| (*s, lo, hi - lo)).collect();
+            let got: HashMap<usize, Vec<u8>> = self
+                .fetch(ctx, name, st, &want)?
+                .into_iter()
+                .map(|(s, f)| (s, f.padded()))
+                .collect();
+            let mut wanted: HashMap<usize, Vec<u8>> = missing
+                .iter()
+                .map(|s| (*s, vec![0u8; (hi - lo) as usize]))
+                .collect();
+            {
+                let mut slots: Vec<Shard> = Vec::with_capacity(ctx.n());
+                let mut wanted_refs: HashMap<usize, &mut Vec<u8>> =
+                    wanted.iter_mut().map(|(s, v)| (*s, v)).collect();
+                for s in 0..ctx.n() {
+                    slots.push(match (got.get(&s), wanted_refs.remove(&s)) {
+                        (Some(v), _) => Shard::Present(v),
+                        (None, Some(w)) => Shard::Wanted(w),
+                        _ => Shard::Missing,
+                    });
+                }
+                ctx.codec.reconstruct(&mut slots)?;
+            }
+            got.into_iter()
+                .chain(wanted)
+                .map(|(s, v)| (s, (lo, Fetched::from_vec(v))))
+                .collect()
+        };
+        let mut out = vec![0u8; len as usize];
+        for e in ctx.profile.extents(offset, len) {
+            let (base, buf) = &bufs[&e.shard];
+            let at = (e.shard_offset - base) as usize;
+            let o = (e.object_offset - offset) as usize;
+            buf.copy_into(at, &mut out[o..o + e.len]);
+        }
+        Ok(out)
+    }
+
+    // ---- write ----------------------------------------------------------------------------
+
+    fn write(
+        &self,
+        ctx: &Ctx,
+        c: &mut PgCache,
+        name: &[u8],
+        st: &ObjState,
+        m: Mutation,
+        staged: Option<&[u8]>,
+    ) -> Result<u64> {
+        let mut xattrs = if st.exists() {
+            st.xattrs.clone()
+        } else {
+            BTreeMap::new()
+        };
+        let creates = matches!(
+            m.data,
+            Some(SubOp::WriteFull(_) | SubOp::Write { .. } | SubOp::Append(_))
+        );
+        if !st.exists()
+            && !creates
+            && (!m.xattrs.is_empty() || matches!(m.data, Some(SubOp::Remove)))
+        {
+            return Err(not_found(name));
+        }
+        for (k, v) in &m.xattrs {
+            match v {
+                Some(v) => {
+                    xattrs.insert(k.clone(), v.clone());
+                }
+                None => {
+                    if xattrs.remove(k).is_none() {
+                        return Err(Error::remote(Status::NoXattr, format!("no xattr {k:?}")));
+                    }
+                }
+            }
+        }
+        let with_staged = |d: &[u8]| -> Vec<u8> {
+            match staged {
+                Some(s) => [s, d].concat(),
+                None => d.to_vec(),
+            }
+        };
+        let up_mask = (0..ctx.n())
+            .filter(|s| ctx.up(*s).is_some())
+            .fold(0, |a, s| a | bit(s));
+        let all_current = !st.exists() || up_mask & !st.current == 0;
+        c.seq = c.seq.wrapping_add(1);
+        let version = (st.version + 1).max((ctx.map.epoch << 32) | c.seq as u64);
+        let meta = |size: u64, deleted: bool| ShardMeta {
+            version,
+            size,
+            mtime_unix_ns: now_ns(),
+            deleted,
+        };
+        enum Plan {
+            Full(Vec<u8>, bool),
+            Range(u64, Vec<u8>),
+            Meta,
+        }
+        let plan = match &m.data {
+            Some(SubOp::WriteFull(d)) => Plan::Full(with_staged(d), false),
+            Some(SubOp::Remove) => Plan::Full(Vec::new(), true),
+            Some(SubOp::Write { offset, data }) => {
+                let data = with_staged(data);
+                self.counters
+                    .write_bytes
+                    .fetch_add(data.len() as u64, Relaxed);
+                Plan::Range(*offset, data)
+            }
+            Some(SubOp::Append(data)) => {
+                let data = with_staged(data);
+                Plan::Range(if st.exists() { st.size } else { 0 }, data)
+            }
+            _ => Plan::Meta,
+        };
+        let plan = match plan {
+            Plan::Range(off, data) if !st.exists() => {
+                let mut full = vec![0u8; off as usize];
+                full.extend_from_slice(&data);
+                Plan::Full(full, false)
+            }
+            Plan::Range(off, data) if !all_current => {
+                let mut full = self.read_range(ctx, name, st, 0, st.size)?;
+                let end = off as usize + data.len();
+                if full.len() < end {
+                    full.resize(end, 0);
+                }
+                full[off as usize..end].copy_from_slice(&data);
+                Plan::Full(full, false)
+            }
+            Plan::Meta if !all_current => {
+                Plan::Full(self.read_range(ctx, name, st, 0, st.size)?, st.deleted)
+            }
+            p => p,
+        };
+        let full_xattrs: Vec<(String, Option<Vec<u8>>)> = xattrs
+            .iter()
+            .map(|(k, v)| (k.clone(), Some(v.clone())))
+            .collect();
+        let n = ctx.n();
+        type Planned = (u64, bool, Vec<(WriteKind, u64)>, Vec<Vec<u8>>, u64);
+        let (new_size, deleted, kinds, shards, targets): Planned = match plan {
+            Plan::Full(data, deleted) => {
+                if let Some(SubOp::WriteFull(_)) = m.data {
+                    self.counters
+                        .write_bytes
+                        .fetch_add(data.len() as u64, Relaxed);
+                }
+                if data.len() as u64 > ops::OBJECT_BYTES_MAX {
+                    return Err(too_large(data.len() as u64));
+                }
+                let shards = encode_full(ctx, &data);
+                (
+                    data.len() as u64,
+                    deleted,
+                    vec![(WriteKind::Full, 0); n],
+                    shards,
+                    up_mask,
+                )
+            }
+            Plan::Range(off, data) => {
+                let end = off + data.len() as u64;
+                if end > ops::OBJECT_BYTES_MAX {
+                    return Err(too_large(end));
+                }
+                let new_size = st.size.max(end);
+                let (kinds, shards) = match self.parity_delta(ctx, name, st, off, &data)? {
+                    Some(d) => d,
+                    None => {
+                        let (s_off, shards) =
+                            self.encode_range(ctx, name, st, off, &data, new_size)?;
+                        (vec![(WriteKind::Range, s_off); n], shards)
+                    }
+                };
+                (new_size, false, kinds, shards, up_mask & st.current)
+            }
+            Plan::Meta => (
+                st.size,
+                st.deleted,
+                vec![(WriteKind::Meta, 0); n],
+                vec![Vec::new(); n],
+                up_mask & st.current,
+            ),
+        };
+        let kind = if kinds.iter().all(|k| k.0 == WriteKind::Full) {
+            WriteKind::Full
+        } else {
+            WriteKind::Range
+        };
+        let meta = meta(new_size, deleted);
+        let base = if kind == WriteKind::Full {
+            BASE_ANY
+        } else {
+            st.version
+        };
+        let xattr_list = if kind == WriteKind::Full {
+            full_xattrs
+        } else {
+            m.xattrs.clone()
+        };
+        let acked = self.replicate(
+            ctx,
+            name,
+            &kinds,
+            base,
+            meta,
+            &xattr_list,
+            &shards.into_iter().map(Arc::new).collect::<Vec<_>>(),
+            targets,
+        )?;
+        let new = ObjState {
+            version,
+            size: new_size,
+            mtime_unix_ns: meta.mtime_unix_ns,
+            deleted,
+            current: acked,
+            xattrs: if deleted { BTreeMap::new() } else { xattrs },
+        };
+        remember(c, name, &new);
+        Ok(version)
+    }
+
+    /// A small overwrite inside the object through parity deltas: read the old bytes of the
+    /// touched data-shard ranges and of the parity over their union, apply
+    /// `Codec::parity_delta`, write just those ranges (untouched data shards only take the new
+    /// version). `None` when a read-modify-write of the stripes reads less (ec's
+    /// `update_method`), the write grows the object, or a needed shard is not up.
+    #[allow(clippy::type_complexity)]
+    fn parity_delta(
+        &self,
+        ctx: &Ctx,
+        name: &[u8],
+        st: &ObjState,
+        off: u64,
+        data: &[u8],
+    ) -> Result<Option<(Vec<(WriteKind, u64)>, Vec<Vec<u8>>)>> {
+        let (k, n) = (ctx.k(), ctx.n());
+        if data.is_empty() || off + data.len() as u64 > st.size {
+            return Ok(None);
+        }
+        let mut ranges: BTreeMap<usize, (u64, u64)> = BTreeMap::new();
+        for e in ctx.profile.extents(off, data.len() as u64) {
+            let r = ranges.entry(e.shard).or_insert((u64::MAX, 0));
+            r.0 = r.0.min(e.shard_offset);
+            r.1 = r.1.max(e.shard_offset + e.len as u64);
+        }
+        if ctx.profile.update_method(ranges.len()) != ec::UpdateMethod::ParityDelta {
+            return Ok(None);
+        }
+        let plo = ranges.values().map(|r| r.0).min().expect("a touched shard");
+        let phi = ranges.values().map(|r| r.1).max().expect("a touched shard");
+        let mut want: Vec<(usize, u64, u64)> = ranges
+            .iter()
+            .map(|(j, (lo, hi))| (*j, *lo, hi - lo))
+            .collect();
+        want.extend((k..n).map(|p| (p, plo, phi - plo)));
+        if want
+            .iter()
+            .any(|w| st.current & bit(w.0) == 0 || ctx.up(w.0).is_none())
+        {
+            return Ok(None);
+        }
+        let old: HashMap<usize, Vec<u8>> = self
+            .fetch(ctx, name, st, &want)?
+            .into_iter()
+            .map(|(s, f)| (s, f.padded()))
+            .collect();
+        let mut new: BTreeMap<usize, Vec<u8>> = ranges
+            .iter()
+            .map(|(j, (lo, hi))| (*j, vec![0u8; (hi - lo) as usize]))
+            .collect();
+        let mut covered = vec![0u64; k];
+        for e in ctx.profile.extents(off, data.len() as u64) {
+            let at = (e.shard_offset - ranges[&e.shard].0) as usize;
+            let from = (e.object_offset - off) as usize;
+            new.get_mut(&e.shard).expect("touched")[at..at + e.len]
+                .copy_from_slice(&data[from..from + e.len]);
+            covered[e.shard] += e.len as u64;
+        }
+        for (j, (lo, hi)) in &ranges {
+            assert_eq!(
+                covered[*j],
+                hi - lo,
+                "a shard's touched range is contiguous"
+            );
+        }
+        let mut parity: Vec<Vec<u8>> = (k..n).map(|p| old[&p].clone()).collect();
+        for (j, (lo, hi)) in &ranges {
+            let (a, b) = ((lo - plo) as usize, (hi - plo) as usize);
+            let mut slices: Vec<&mut [u8]> = parity.iter_mut().map(|v| &mut v[a..b]).collect();
+            ctx.codec.parity_delta(*j, &old[j], &new[j], &mut slices);
+        }
+        tracing::debug!(
+            "parity delta: {} at {off}+{}: data shards {:?}, parity [{plo}, {phi})",
+            String::from_utf8_lossy(name),
+            data.len(),
+            ranges.keys().collect::<Vec<_>>()
+        );
+        let mut kinds = vec![(WriteKind::Meta, 0); n];
+        let mut shards = vec![Vec::new(); n];
+        for (j, (lo, _)) in &ranges {
+            kinds[*j] = (WriteKind::Range, *lo);
+            shards[*j] = new.remove(j).expect("built");
+        }
+        for (i, p) in (k..n).zip(parity) {
+            kinds[i] = (WriteKind::Range, plo);
+            shards[i] = p;
+        }
+        Ok(Some((kinds, shards)))
+    }
+
+    /// Re-encode the stripes an overwrite touches; returns the shard offset and each slot's
+    /// bytes from there (clipped to its meaningful length under the new size).
+    fn encode_range(
+        &self,
+        ctx: &Ctx,
+        name: &[u8],
+        st: &ObjState,
+        off: u64,
+        data: &[u8],
+        new_size: u64,
+    ) -> Result<(u64, Vec<Vec<u8>>)> {
+        let w = ctx.profile.stripe_width();
+        let u = ctx.profile.stripe_unit() as u64;
+        let lo = off.min(st.size);
+        let s0 = lo / w;
+        let s1 = (off + data.len() as u64).div_ceil(w).max(s0 + 1);
+        let base = s0 * w;
+        let mut buf = vec![0u8; ((s1 - s0) * w) as usize];
+        let old_end = (s1 * w).min(st.size);
+        if old_end > base {
+            let old = self.read_range(ctx, name, st, base, old_end - base)?;
+            buf[..old.len()].copy_from_slice(&old);
+        }
+        let at = (off - base) as usize;
+        buf[at..at + data.len()].copy_from_slice(data);
+        let stripes = buf.len() / ctx.profile.stripe_width() as usize;
+        let mut shards = stripes_to_shards(ctx, &buf, stripes);
+        let s_off = s0 * u;
+        for (slot, v) in shards.iter_mut().enumerate() {
+            let keep = ctx
+                .clip(slot, new_size)
+                .saturating_sub(s_off)
+                .min(v.len() as u64);
+            v.truncate(keep as usize);
+        }
+        Ok((s_off, shards))
+    }
+
+    /// Send the shard writes; wait until every up target is durable and at least min_size
+    /// are, or the bounded wait ends. Returns the slots now current.
+    #[allow(clippy::too_many_arguments)]
+    fn replicate(
+        &self,
+        ctx: &Ctx,
+        name: &[u8],
+        kinds: &[(WriteKind, u64)],
+        base: u64,
+        meta: ShardMeta,
+        xattrs: &[(String, Option<Vec<u8>>)],
+        shards: &[Arc<Vec<u8>>],
+        targets: u64,
+    ) -> Result<u64> {
+        let full = kinds.iter().all(|k| k.0 == WriteKind::Full);
+        let deadline = Instant::now() + Duration::from_millis(self.cfg.write_wait_ms);
+        let min_size = ctx.pool.min_size as usize;
+        let mut acked = 0u64;
+        let mut failed = 0u64; // tried recently and failed
+        let mut failed_at = Instant::now();
+        let mut attempted_epoch = 0u64;
+        let mut last_err = String::new();
+        let mut ctx_map = ctx.map.clone();
+        loop {
+            let map = self.monc.map();
+            // A failed member is tried again when the map changes or after a pause (a
+            // connection that dropped comes back; a dead node gets marked down).
+            if map.epoch != attempted_epoch || failed_at.elapsed() >= RETRY_PAUSE {
+                failed = 0;
+                attempted_epoch = map.epoch;
+                ctx_map = map.clone();
+            }
+            if map.epoch != ctx.map.epoch {
+                if let Some(p) = map.pools.get(&ctx.pool.id) {
+                    let now = self.monc.acting(&map, p, ctx.pg);
+                    if now.primary != Some(self.id) || now.members != ctx.acting.members {
+                        // Not ours to finish: the new primary settles the object (it rolls an
+                        // incomplete write back or keeps it) and the client retries there.
+                        return Err(Error::remote(
+                            Status::WrongPrimary,
+                            format!(
+                                "pg {}.{:x} changed hands at epoch {} during the write",
+                                ctx.pool.id, ctx.pg, map.epoch
+                            ),
+                        ));
+                    }
+                }
+            }
+            let up = |s: usize| ctx.acting.members[s].is_some_and(|n| ctx_map.is_up(n));
+            let todo: Vec<usize> = (0..ctx.n())
+                .filter(|s| targets & bit(*s) != 0 || (full && up(*s)))
+                .filter(|s| up(*s) && acked & bit(*s) == 0 && failed & bit(*s) == 0)
+                .collect();
+            if !todo.is_empty() {
+                let sub = Ctx {
+                    map: ctx_map.clone(),
+                    pool: ctx.pool.clone(),
+                    pg: ctx.pg,
+                    acting: ctx.acting.clone(),
+                    profile: ctx.profile,
+                    codec: ctx.codec.clone(),
+                };
+                let write = |s: usize| ShardWrite {
+                    pool: ctx.pool.id,
+                    pg: ctx.pg,
+                    name,
+                    shard: s as u8,
+                    kind: kinds[s].0,
+                    base_version: base,
+                    meta,
+                    offset: kinds[s].1,
+                    xattrs: xattrs.to_vec(),
+                    data: &shards[s],
+                };
+                let reqs = todo
+                    .iter()
+                    .map(|&s| {
+                        let head = write(s).encode_header(ctx_map.epoch);
+                        (
+                            s,
+                            vec![SendBuf::Vec(head), SendBuf::Shared(shards[s].clone())],
+                        )
+                    })
+                    .collect();
+                let local = |s: usize, _parts: Vec<SendBuf>| -> Result<Payload> {
+                    self.local.apply(&write(s))?;
+                    Ok(Payload::from_vec(Vec::new()))
+                };
+                for (slot, r) in self.fan_out(&sub, wire::MSG_SHARD_WRITE, reqs, &local) {
+                    match r {
+                        Ok(_) => acked |= bit(slot),
+                        Err(e) => {
+                            last_err = format!("shard {slot}: {e}");
+                            failed |= bit(slot);
+                            failed_at = Instant::now();
+                        }
+                    }
+                }
+            }
+            let required = (0..ctx.n()).filter(|s| up(*s) && (targets & bit(*s) != 0 || full));
+            let waiting = required.clone().filter(|s| acked & bit(*s) == 0).count();
+            let n_acked = acked.count_ones() as usize;
+            if waiting == 0 && n_acked >= min_size {
+                return Ok(acked);
+            }
+            if Instant::now() >= deadline {
+                let down: Vec<u32> = ctx
+                    .acting
+                    .members
+                    .iter()
+                    .flatten()
+                    .copied()
+                    .filter(|n| !ctx_map.is_up(*n))
+                    .collect();
+                let waited = if waiting > 0 {
+                    format!(", {waiting} up member(s) did not confirm ({last_err})")
+                } else {
+                    String::new()
+                };
+                return Err(Error::remote(
+                    Status::Degraded,
+                    format!(
+                        "write of {:?} not acknowledged after {:.1} s: {n_acked} of {} shards \
+                         durable, min_size is {min_size}; nodes down: {down:?}{waited}. The \
+                         object holds either its old or its new content",
+                        String::from_utf8_lossy(name),
+                        self.cfg.write_wait_ms as f64 / 1000.0,
+                        ctx.n()
+                    ),
+                ));
+            }
+            // Wait for the map to change (a failed member marked down, or one coming back).
+            self.monc.wait_change(attempted_epoch, RETRY_PAUSE);
+        }
+    }
+}
+
+/// A shard range as read: the bytes the member returned (clipped to the shard's meaningful
+/// length; a view of the reply, not a copy) and the logical length, zeros past the bytes.
+struct Fetched {
+    data: Payload,
+    len: usize,
+}
+
+impl Fetched {
+    fn from_vec(v: Vec<u8>) -> Fetched {
+        let len = v.len();
+        Fetched {
+            data: Payload::from_vec(v),
+            len,
+        }
+    }
+
+    /// Bytes `[at, at + out.len())` into `out`.
+    fn copy_into(&self, at: usize, out: &mut [u8]) {
+        debug_assert!(at + out.len() <= self.len);
+        let have = self.data.len().saturating_sub(at).min(out.len());
+        out[..have].copy_from_slice(&self.data[at..at + have]);
+        out[have..].fill(0);
+    }
+
+    fn padded(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len];
+        self.copy_into(0, &mut v);
+        v
+    }
+}
+
+fn remember(c: &mut PgCache, name: &[u8], st: &ObjState) {
+    if c.objs.len() >= CACHE_OBJECTS_MAX {
+        c.objs.clear();
+    }
+    c.objs.insert(name.to_vec(), st.clone());
+}
+
+fn parse_state(p: &[u8]) -> Result<ShardState> {
+    let mut d = Dec::new(p);
+    d.u64()?;
+    d.u16()?;
+    ShardState::decode(&mut d)
+}
+
+fn not_found(name: &[u8]) -> Error {
+    Error::remote(
+        Status::NotFound,
+        format!("no object {:?}", String::from_utf8_lossy(name)),
+    )
+}
+
+fn too_large(n: u64) -> Error {
+    Error::remote(
+        Status::TooLarge,
+        format!(
+            "object would be {n} bytes; the maximum is {}",
+            ops::OBJECT_BYTES_MAX
+        ),
+    )
+}
+
+/// Validate a request's sub-ops and split out its mutation.
+fn check_ops<'a>(op: &ClientOp<'a>) -> Result<Mutation<'a>> {
+    let bad = |m: String| Error::remote(Status::Invalid, m);
+    if op.ops.is_empty() {
+        return Err(bad("request has no sub-ops".into()));
+    }
+    let mut m = Mutation {
+        data: None,
+        xattrs: Vec::new(),
+    };
+    for o in &op.ops {
+        match o {
+            SubOp::Read { offset, len } if offset.checked_add(*len).is_none() => {
+                return Err(bad(format!("read at {offset} of {len} bytes overflows")))
+            }
+            SubOp::Write { offset, data } if offset + data.len() as u64 > ops::OBJECT_BYTES_MAX => {
+                return Err(too_large(offset + data.len() as u64))
+            }
+            SubOp::SetXattr(n, v) => {
+                if n.is_empty()
+                    || n.len() > XATTR_NAME_BYTES_MAX
+                    || v.len() > ops::XATTR_VALUE_BYTES_MAX
+                {
+                    return Err(bad(format!(
+                        "xattr {n:?}: name 1..={XATTR_NAME_BYTES_MAX} bytes, value at most {} bytes",
+                        ops::XATTR_VALUE_BYTES_MAX
+                    )));
+                }
+                m.xattrs.push((n.to_string(), Some(v.to_vec())));
+            }
+            SubOp::RmXattr(n) => m.xattrs.push((n.to_string(), None)),
+            o if o.is_data_mutation() => {
+                if m.data.is_some() {
+                    return Err(bad(
+                        "at most one data mutation (write_full, write, append, remove) per request"
+                            .into(),
+                    ));
+                }
+                m.data = Some(o.clone());
+            }
+            _ => {}
+        }
+    }
+    if matches!(m.data, Some(SubOp::Remove)) && !m.xattrs.is_empty() {
+        return Err(bad("remove cannot be combined with xattr changes".into()));
+    }
+    Ok(m)
+}
+
+/// Shard-major layout of `stripes` whole stripes of object bytes taken from `buf` (zeros
+/// past its end), parity computed: each slot's bytes for those stripes.
+fn stripes_to_shards(ctx: &Ctx, buf: &[u8], stripes: usize) -> Vec<Vec<u8>> {
+    let (k, u) = (ctx.k(), ctx.profile.stripe_unit());
+    let w = k * u;
+    let mut shards = vec![vec![0u8; stripes * u]; ctx.n()];
+    for s in 0..stripes {
+        for (j, shard) in shards.iter_mut().enumerate().take(k) {
+            let from = (s * w + j * u).min(buf.len());
+            let to = (s * w + (j + 1) * u).min(buf.len());
+            shard[s * u..s * u + (to - from)].copy_from_slice(&buf[from..to]);
+        }
+    }
+    let (data, parity) = shards.split_at_mut(k);
+    let d: Vec<&[u8]> = data.iter().map(|v| v.as_slice()).collect();
+    let mut p: Vec<&mut [u8]> = parity.iter_mut().map(|v| v.as_mut_slice()).collect();
+    if stripes > 0 {
+        ctx.codec.encode(&d, &mut p);
+    }
+    shards
+}
+
+/// Encode a whole object: every slot's shard, clipped to its meaningful bytes.
+fn encode_full(ctx: &Ctx, data: &[u8]) -> Vec<Vec<u8>> {
+    let w = ctx.profile.stripe_width() as usize;
+    let mut shards = stripes_to_shards(ctx, data, data.len().div_ceil(w));
+    for (slot, v) in shards.iter_mut().enumerate() {
+        v.truncate(ctx.clip(slot, data.len() as u64) as usize);
+    }
+    shards
+}

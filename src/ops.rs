@@ -1,0 +1,347 @@
+//! Client operations: what a client sends a PG's primary, and what comes back
+//! (docs/format.md, "Cluster messages").
+//!
+//! A request names one object and carries a list of sub-ops applied atomically: first the
+//! asserts (in order), then the reads (which see the object as it was before this request),
+//! then at most one data mutation (write_full, write, append, remove) and any xattr changes,
+//! all as one new version. Any failing sub-op fails the whole request and changes nothing.
+
+use crate::error::{Error, Result};
+use crate::wire::{Dec, Enc};
+
+/// Longest object name (the store's key limit less room for internal suffixes).
+pub const OBJECT_NAME_BYTES_MAX: usize = 1000;
+/// Largest object.
+pub const OBJECT_BYTES_MAX: u64 = store::OBJECT_BYTES_MAX;
+/// Most sub-ops in one request.
+pub const SUB_OPS_MAX: usize = 64;
+/// Bytes of object data a client puts in one message; larger writes are staged first.
+pub const MESSAGE_DATA_BYTES_MAX: usize = 16 << 20;
+/// Largest xattr value.
+pub const XATTR_VALUE_BYTES_MAX: usize = 16 << 10;
+
+/// Request flag: the data of the request's write is the staged upload `upload_id` followed by
+/// the inline data.
+pub const FLAG_STAGED: u32 = 1;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SubOp<'a> {
+    AssertVersion(u64),
+    AssertExists,
+    AssertAbsent,
+    Stat,
+    Read { offset: u64, len: u64 },
+    GetXattr(&'a str),
+    GetXattrs,
+    WriteFull(&'a [u8]),
+    Write { offset: u64, data: &'a [u8] },
+    Append(&'a [u8]),
+    Remove,
+    SetXattr(&'a str, &'a [u8]),
+    RmXattr(&'a str),
+}
+
+impl SubOp<'_> {
+    fn code(&self) -> u8 {
+        match self {
+            SubOp::AssertVersion(_) => 1,
+            SubOp::AssertExists => 2,
+            SubOp::AssertAbsent => 3,
+            SubOp::Stat => 4,
+            SubOp::Read { .. } => 5,
+            SubOp::GetXattr(_) => 6,
+            SubOp::GetXattrs => 7,
+            SubOp::WriteFull(_) => 8,
+            SubOp::Write { .. } => 9,
+            SubOp::Append(_) => 10,
+            SubOp::Remove => 11,
+            SubOp::SetXattr(..) => 12,
+            SubOp::RmXattr(_) => 13,
+        }
+    }
+
+    pub fn is_data_mutation(&self) -> bool {
+        matches!(
+            self,
+            SubOp::WriteFull(_) | SubOp::Write { .. } | SubOp::Append(_) | SubOp::Remove
+        )
+    }
+
+    pub fn is_mutation(&self) -> bool {
+        self.is_data_mutation() || matches!(self, SubOp::SetXattr(..) | SubOp::RmXattr(_))
+    }
+
+    pub fn is_read(&self) -> bool {
+        matches!(
+            self,
+            SubOp::Stat | SubOp::Read { .. } | SubOp::GetXattr(_) | SubOp::GetXattrs
+        )
+    }
+}
+
+/// A decoded (or to-be-encoded) client request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientOp<'a> {
+    pub epoch: u64,
+    pub pool: u64,
+    pub name: &'a [u8],
+    pub flags: u32,
+    pub upload_id: u64,
+    pub ops: Vec<SubOp<'a>>,
+}
+
+impl<'a> ClientOp<'a> {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut e = Enc::new(self.epoch);
+        e.u64(self.pool)
+            .bytes(self.name)
+            .u32(self.flags)
+            .u64(self.upload_id)
+            .u16(self.ops.len() as u16);
+        for op in &self.ops {
+            e.u8(op.code());
+            match op {
+                SubOp::AssertVersion(v) => {
+                    e.u64(*v);
+                }
+                SubOp::Read { offset, len } => {
+                    e.u64(*offset).u64(*len);
+                }
+                SubOp::GetXattr(n) | SubOp::RmXattr(n) => {
+                    e.str(n);
+                }
+                SubOp::WriteFull(d) | SubOp::Append(d) => {
+                    e.bytes(d);
+                }
+                SubOp::Write { offset, data } => {
+                    e.u64(*offset).bytes(data);
+                }
+                SubOp::SetXattr(n, v) => {
+                    e.str(n).bytes(v);
+                }
+                SubOp::AssertExists
+                | SubOp::AssertAbsent
+                | SubOp::Stat
+                | SubOp::GetXattrs
+                | SubOp::Remove => {}
+            }
+        }
+        e.finish()
+    }
+
+    pub fn decode(b: &'a [u8]) -> Result<ClientOp<'a>> {
+        let mut d = Dec::new(b);
+        let epoch = d.u64()?;
+        let pool = d.u64()?;
+        let name = d.bytes()?;
+        let flags = d.u32()?;
+        let upload_id = d.u64()?;
+        let n = d.u16()? as usize;
+        if n > SUB_OPS_MAX {
+            return Err(Error::Malformed(format!(
+                "{n} sub-ops; at most {SUB_OPS_MAX}"
+            )));
+        }
+        let mut ops = Vec::with_capacity(n);
+        for _ in 0..n {
+            let code = d.u8()?;
+            ops.push(match code {
+                1 => SubOp::AssertVersion(d.u64()?),
+                2 => SubOp::AssertExists,
+                3 => SubOp::AssertAbsent,
+                4 => SubOp::Stat,
+                5 => SubOp::Read {
+                    offset: d.u64()?,
+                    len: d.u64()?,
+                },
+                6 => SubOp::GetXattr(d.str()?),
+                7 => SubOp::GetXattrs,
+                8 => SubOp::WriteFull(d.bytes()?),
+                9 => SubOp::Write {
+                    offset: d.u64()?,
+                    data: d.bytes()?,
+                },
+                10 => SubOp::Append(d.bytes()?),
+                11 => SubOp::Remove,
+                12 => SubOp::SetXattr(d.str()?, d.bytes()?),
+                13 => SubOp::RmXattr(d.str()?),
+                c => return Err(Error::Malformed(format!("unknown sub-op code {c}"))),
+            });
+        }
+        d.end()?;
+        Ok(ClientOp {
+            epoch,
+            pool,
+            name,
+            flags,
+            upload_id,
+            ops,
+        })
+    }
+}
+
+/// What `stat` returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ObjStat {
+    pub size: u64,
+    pub version: u64,
+    pub mtime_unix_ns: u64,
+}
+
+/// One read sub-op's result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OpResult {
+    Stat(ObjStat),
+    Data(Vec<u8>),
+    Xattr(Vec<u8>),
+    Xattrs(Vec<(String, Vec<u8>)>),
+}
+
+/// The body of a successful reply: the object's version after the request, then one result
+/// per read sub-op, in order.
+pub fn encode_results(e: &mut Enc, version: u64, results: &[OpResult]) {
+    e.u64(version).u16(results.len() as u16);
+    for r in results {
+        encode_result(e, r);
+    }
+}
+
+fn encode_result(e: &mut Enc, r: &OpResult) {
+    match r {
+        OpResult::Stat(s) => {
+            e.u8(4).u64(s.size).u64(s.version).u64(s.mtime_unix_ns);
+        }
+        OpResult::Data(d) => {
+            e.u8(5).bytes(d);
+        }
+        OpResult::Xattr(v) => {
+            e.u8(6).bytes(v);
+        }
+        OpResult::Xattrs(list) => {
+            e.u8(7).u32(list.len() as u32);
+            for (k, v) in list {
+                e.str(k).bytes(v);
+            }
+        }
+    }
+}
+
+/// [`encode_results`] after the bytes already in `e`, with read data as buffers of their own
+/// (sent without a copy). The bytes on the wire are the same.
+pub fn encode_results_parts(
+    mut e: Enc,
+    version: u64,
+    results: Vec<OpResult>,
+) -> Vec<messenger::SendBuf> {
+    let mut parts = Vec::new();
+    e.u64(version).u16(results.len() as u16);
+    for r in results {
+        match r {
+            OpResult::Data(d) => {
+                e.u8(5).u32(d.len() as u32);
+                parts.push(messenger::SendBuf::Vec(std::mem::take(&mut e.0)));
+                parts.push(messenger::SendBuf::Vec(d));
+            }
+            other => encode_result(&mut e, &other),
+        }
+    }
+    parts.push(messenger::SendBuf::Vec(e.0));
+    parts.retain(|p| !p.bytes().is_empty());
+    parts
+}
+
+pub fn decode_results(b: &[u8]) -> Result<(u64, Vec<OpResult>)> {
+    let mut d = Dec::new(b);
+    let version = d.u64()?;
+    let n = d.u16()? as usize;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        out.push(match d.u8()? {
+            4 => OpResult::Stat(ObjStat {
+                size: d.u64()?,
+                version: d.u64()?,
+                mtime_unix_ns: d.u64()?,
+            }),
+            5 => OpResult::Data(d.bytes()?.to_vec()),
+            6 => OpResult::Xattr(d.bytes()?.to_vec()),
+            7 => {
+                let n = d.u32()? as usize;
+                let mut l = Vec::with_capacity(n.min(1024));
+                for _ in 0..n {
+                    l.push((d.str()?.to_string(), d.bytes()?.to_vec()));
+                }
+                OpResult::Xattrs(l)
+            }
+            c => return Err(Error::Malformed(format!("unknown result code {c}"))),
+        });
+    }
+    Ok((version, out))
+}
+
+/// Check an object name: 1..=OBJECT_NAME_BYTES_MAX bytes, not starting with a NUL (internal
+/// keys do).
+pub fn check_name(name: &[u8]) -> std::result::Result<(), String> {
+    if name.is_empty() {
+        return Err("object name is empty".into());
+    }
+    if name.len() > OBJECT_NAME_BYTES_MAX {
+        return Err(format!(
+            "object name is {} bytes; the maximum is {OBJECT_NAME_BYTES_MAX}",
+            name.len()
+        ));
+    }
+    if name[0] == 0 {
+        return Err("object names may not start with a NUL byte".into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_op_round_trip() {
+        let op = ClientOp {
+            epoch: 9,
+            pool: 2,
+            name: b"obj",
+            flags: FLAG_STAGED,
+            upload_id: 77,
+            ops: vec![
+                SubOp::AssertVersion(5),
+                SubOp::Stat,
+                SubOp::Read { offset: 1, len: 2 },
+                SubOp::GetXattr("a"),
+                SubOp::Write {
+                    offset: 3,
+                    data: b"xyz",
+                },
+                SubOp::SetXattr("k", b"v"),
+                SubOp::Remove,
+            ],
+        };
+        let b = op.encode();
+        assert_eq!(ClientOp::decode(&b).unwrap(), op);
+        for cut in 0..b.len() {
+            assert!(ClientOp::decode(&b[..cut]).is_err(), "cut {cut}");
+        }
+        let mut e = Enc::default();
+        let rs = vec![
+            OpResult::Stat(ObjStat {
+                size: 1,
+                version: 2,
+                mtime_unix_ns: 3,
+            }),
+            OpResult::Data(vec![1, 2]),
+            OpResult::Xattrs(vec![("a".into(), vec![9])]),
+        ];
+        encode_results(&mut e, 42, &rs);
+        assert_eq!(decode_results(&e.0).unwrap(), (42, rs.clone()));
+        let parts = encode_results_parts(Enc::default(), 42, rs);
+        let joined: Vec<u8> = parts.iter().flat_map(|p| p.bytes().to_vec()).collect();
+        assert_eq!(joined, e.0, "the zero-copy form is the same bytes");
+        assert!(check_name(&[0, 1]).is_err());
+        assert!(check_name(&vec![b'a'; 1001]).unwrap_err().contains("1001"));
+    }
+}

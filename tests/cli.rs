@@ -1,0 +1,144 @@
+//! The command line end to end: `nvstore demo`, and a cluster driven only through the CLI
+//! (`cluster up`, `pool create`, `put/get/stat/ls/rm`, `status`, `bench`, `cluster down`).
+
+use std::path::Path;
+use std::process::{Command, Output};
+use std::sync::Mutex;
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn nvstore(args: &[&str], conf: Option<&Path>) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_nvstore"));
+    c.args(args);
+    match conf {
+        Some(p) => c.env("NVSTORE_CONF", p),
+        None => c.env_remove("NVSTORE_CONF"),
+    };
+    c.output().expect("run nvstore")
+}
+
+fn ok(o: &Output, what: &str) -> String {
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        o.status.success(),
+        "{what}: {}\nstdout:\n{out}\nstderr:\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stderr)
+    );
+    out
+}
+
+#[test]
+fn demo_runs_and_every_read_matches() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let o = nvstore(&["demo"], None);
+    let out = ok(&o, "nvstore demo");
+    assert!(
+        out.contains("OK: every read returned the bytes written"),
+        "{out}"
+    );
+    assert!(
+        out.contains("rebuilt from parity"),
+        "the demo shows degraded decodes:\n{out}"
+    );
+    assert!(out.contains("HEALTH_OK"), "{out}");
+    assert!(!out.contains("BAD"), "{out}");
+}
+
+#[test]
+fn a_cluster_through_the_cli() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::Builder::new()
+        .prefix("nvstore-cli-")
+        .tempdir()
+        .unwrap();
+    let d = dir.path().to_str().unwrap();
+    let up = nvstore(
+        &[
+            "cluster",
+            "up",
+            "--nodes",
+            "8",
+            "--dir",
+            d,
+            "--device-size",
+            "1G",
+        ],
+        None,
+    );
+    let out = ok(&up, "cluster up");
+    assert!(out.contains("created pool \"data\" (EC 6+2)"), "{out}");
+    let conf = dir.path().join("client.toml");
+    let c = Some(conf.as_path());
+    let run = || {
+        ok(
+            &nvstore(
+                &[
+                    "pool", "create", "p2", "--k", "4", "--m", "2", "--pg-num", "16",
+                ],
+                c,
+            ),
+            "pool create",
+        );
+        let file = dir.path().join("in.bin");
+        let data: Vec<u8> = (0..300_001u32).map(|i| (i * 31 % 251) as u8).collect();
+        std::fs::write(&file, &data).unwrap();
+        ok(
+            &nvstore(&["put", "p2", "obj", file.to_str().unwrap()], c),
+            "put",
+        );
+        let back = dir.path().join("out.bin");
+        ok(
+            &nvstore(&["get", "p2", "obj", back.to_str().unwrap()], c),
+            "get",
+        );
+        assert!(std::fs::read(&back).unwrap() == data);
+        let st = ok(&nvstore(&["stat", "p2", "obj"], c), "stat");
+        assert!(st.contains("size 300001"), "{st}");
+        let ls = ok(&nvstore(&["ls", "p2"], c), "ls");
+        assert!(ls.starts_with("obj\t300001\t"), "{ls}");
+        let status = ok(&nvstore(&["status"], c), "status");
+        assert!(
+            status.contains("HEALTH_OK") && status.contains("8 up, 8 in"),
+            "{status}"
+        );
+        let js = ok(&nvstore(&["status", "--json"], c), "status --json");
+        let v: serde_json::Value = serde_json::from_str(&js).unwrap();
+        assert_eq!(v["nodes_up"], 8);
+        for mode in ["write", "seq", "rand"] {
+            let b = ok(
+                &nvstore(
+                    &[
+                        "bench",
+                        mode,
+                        "--pool",
+                        "data",
+                        "--size",
+                        "4K",
+                        "--seconds",
+                        "1",
+                        "--concurrency",
+                        "4",
+                        "--json",
+                    ],
+                    c,
+                ),
+                mode,
+            );
+            let r: serde_json::Value = serde_json::from_str(&b).unwrap();
+            assert!(r["ops"].as_u64().unwrap() > 0, "{mode}: {b}");
+            assert_eq!(r["errors"], 0, "{mode}: {b}");
+            assert!(r["lat_p99_ms"].as_f64().unwrap() >= r["lat_p50_ms"].as_f64().unwrap());
+        }
+        ok(&nvstore(&["rm", "p2", "obj"], c), "rm");
+        let gone = nvstore(&["stat", "p2", "obj"], c);
+        assert!(!gone.status.success());
+        assert!(String::from_utf8_lossy(&gone.stderr).contains("not found"));
+        let nopool = nvstore(&["put", "nosuch", "x", file.to_str().unwrap()], c);
+        assert!(String::from_utf8_lossy(&nopool.stderr).contains("no such pool"));
+    };
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run));
+    let down = nvstore(&["cluster", "down", "--dir", d], None);
+    r.unwrap();
+    assert!(ok(&down, "cluster down").contains("stopped 9 process(es)"));
+}

@@ -1,0 +1,515 @@
+//! Cluster integration tests: real monitor and node processes (the built `nvstore` binary) on
+//! loopback with file devices. Tests take a lock so only one cluster runs at a time on a
+//! 2-core CI machine.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use messenger::{Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret};
+use nvstore::cluster_cmd::{LocalCluster, LocalOptions};
+use nvstore::ops::{ClientOp, OpResult, SubOp};
+use nvstore::wire::{self, Status};
+use nvstore::{Client, Error};
+use rand::{Rng, RngCore, SeedableRng};
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+struct Harness {
+    lc: LocalCluster,
+    client: Client,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        let _ = self.lc.down();
+    }
+}
+
+fn cluster(nodes: u32, monitors: u32, o: LocalOptions) -> Harness {
+    let dir = tempfile::Builder::new()
+        .prefix("nvstore-test-")
+        .tempdir()
+        .unwrap();
+    let lc = LocalCluster::new(dir.path(), Path::new(env!("CARGO_BIN_EXE_nvstore")));
+    lc.create(&LocalOptions {
+        nodes,
+        monitors,
+        device_bytes: 1 << 30,
+        ..o
+    })
+    .unwrap();
+    let client = match lc.up() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = lc.down();
+            panic!("cluster up: {e}");
+        }
+    };
+    Harness {
+        lc,
+        client,
+        _dir: dir,
+    }
+}
+
+fn bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    rand_chacha::ChaCha8Rng::seed_from_u64(seed).fill_bytes(&mut v);
+    v
+}
+
+fn status_of(e: &Error) -> Option<Status> {
+    match e {
+        Error::Remote { status, .. } => Some(*status),
+        _ => None,
+    }
+}
+
+fn wait_down(c: &Client, ids: &[u32]) {
+    let t = Instant::now();
+    while ids.iter().any(|i| c.map().nodes[i].up) {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "nodes {ids:?} never marked down"
+        );
+        let _ = c.refresh_map();
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn objects_of_every_size_ranges_overwrites_xattrs_and_compound_ops() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(8, 1, LocalOptions::default());
+    let c = &h.client;
+    let pool = c.create_pool("t", 6, 2, 64 << 10, 32, None).unwrap();
+    let sizes = [0usize, 1, 4096, (4 << 20) + 1, 64 << 20];
+    for (i, &n) in sizes.iter().enumerate() {
+        let name = format!("size-{n}");
+        let data = bytes(i as u64, n);
+        let v = c.put(pool, name.as_bytes(), &data).unwrap();
+        let st = c.stat(pool, name.as_bytes()).unwrap();
+        assert_eq!((st.size, st.version), (n as u64, v), "{name}");
+        assert!(
+            c.get(pool, name.as_bytes()).unwrap() == data,
+            "{name} reads back"
+        );
+    }
+    // Random range reads (seeded).
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
+    for (i, &n) in sizes.iter().enumerate().skip(3) {
+        let name = format!("size-{n}");
+        let data = bytes(i as u64, n);
+        for _ in 0..12 {
+            let off = rng.gen_range(0..n as u64 + 10);
+            let len = rng.gen_range(0..(3 << 20));
+            let got = c.get_range(pool, name.as_bytes(), off, len).unwrap();
+            let lo = (off as usize).min(n);
+            let hi = (off as usize + len as usize).min(n);
+            assert!(got == data[lo..hi], "{name} [{off}, +{len})");
+        }
+    }
+    // Overwrites at offsets, against a model.
+    let name = b"overwrite";
+    let mut model = bytes(99, (1 << 20) + 3);
+    c.put(pool, name, &model).unwrap();
+    let unit = 64 << 10;
+    let writes: Vec<(usize, usize)> = vec![
+        (0, 100),                      // one data shard: parity delta
+        (12 * unit + unit + 10, 1000), // inside shard 1 of stripe 2: parity delta
+        (6 * unit - 3, 10),            // across a stripe boundary
+        (unit * 2 + 5, 3 * unit),      // several units
+        (model.len() - 1, 5),          // grows the object
+        (model.len() + 200_000, 17),   // leaves a zero gap
+    ];
+    for (k, (off, len)) in writes.into_iter().enumerate() {
+        let d = bytes(1000 + k as u64, len);
+        c.write(pool, name, off as u64, &d).unwrap();
+        if model.len() < off + len {
+            model.resize(off + len, 0);
+        }
+        model[off..off + len].copy_from_slice(&d);
+        assert!(
+            c.get(pool, name).unwrap() == model,
+            "after overwrite {k} at {off}"
+        );
+    }
+    c.append(pool, name, b"tail").unwrap();
+    model.extend_from_slice(b"tail");
+    assert!(c.get(pool, name).unwrap() == model);
+    // A write at an offset creates a missing object.
+    c.write(pool, b"sparse", 10, b"x").unwrap();
+    assert_eq!(c.get(pool, b"sparse").unwrap(), b"\0\0\0\0\0\0\0\0\0\0x");
+    // Xattrs.
+    c.set_xattr(pool, name, "color", b"blue").unwrap();
+    c.set_xattr(pool, name, "size", b"L").unwrap();
+    assert_eq!(c.get_xattr(pool, name, "color").unwrap(), b"blue");
+    c.rm_xattr(pool, name, "size").unwrap();
+    assert_eq!(
+        c.xattrs(pool, name).unwrap(),
+        vec![("color".to_string(), b"blue".to_vec())]
+    );
+    let e = c.get_xattr(pool, name, "size").unwrap_err();
+    assert_eq!(status_of(&e), Some(Status::NoXattr), "{e}");
+    // Xattrs survive a write_full and data survives xattr updates.
+    c.put(pool, name, b"new").unwrap();
+    assert_eq!(c.get_xattr(pool, name, "color").unwrap(), b"blue");
+    // Compound: assert-version + read + stat, atomically.
+    let v = c.stat(pool, name).unwrap().version;
+    let (v2, r) = c
+        .op(
+            pool,
+            name,
+            &[
+                SubOp::AssertVersion(v),
+                SubOp::Read { offset: 1, len: 2 },
+                SubOp::Stat,
+            ],
+        )
+        .unwrap();
+    assert_eq!(v2, v);
+    assert_eq!(r[0], OpResult::Data(b"ew".to_vec()));
+    assert!(matches!(r[1], OpResult::Stat(s) if s.size == 3 && s.version == v));
+    let e = c
+        .op(
+            pool,
+            name,
+            &[SubOp::AssertVersion(v + 1), SubOp::WriteFull(b"no")],
+        )
+        .unwrap_err();
+    assert_eq!(status_of(&e), Some(Status::VersionMismatch), "{e}");
+    assert_eq!(
+        c.get(pool, name).unwrap(),
+        b"new",
+        "a failed compound op changes nothing"
+    );
+    let e = c
+        .op(pool, b"absent", &[SubOp::AssertExists, SubOp::Stat])
+        .unwrap_err();
+    assert_eq!(status_of(&e), Some(Status::NotFound));
+    // Remove, then list.
+    c.remove(pool, b"sparse").unwrap();
+    assert_eq!(
+        status_of(&c.stat(pool, b"sparse").unwrap_err()),
+        Some(Status::NotFound)
+    );
+    assert_eq!(
+        status_of(&c.remove(pool, b"sparse").unwrap_err()),
+        Some(Status::NotFound)
+    );
+    let names: Vec<String> = c
+        .list(pool)
+        .unwrap()
+        .into_iter()
+        .map(|(n, _)| String::from_utf8(n).unwrap())
+        .collect();
+    let mut want: Vec<String> = sizes.iter().map(|n| format!("size-{n}")).collect();
+    want.push("overwrite".into());
+    want.sort();
+    assert_eq!(names, want);
+}
+
+#[test]
+fn concurrent_writers_on_one_object_see_one_linear_history() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(8, 1, LocalOptions::default());
+    let c = &h.client;
+    let pool = c.create_pool("t", 6, 2, 64 << 10, 16, None).unwrap();
+    c.put(pool, b"counter", b"0").unwrap();
+    let threads = 6;
+    let per = 15;
+    let acked: Mutex<Vec<(u64, u64)>> = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                let mut done = 0;
+                while done < per {
+                    // Read-modify-write with compare-and-swap on the version.
+                    let (v, r) = c
+                        .op(pool, b"counter", &[SubOp::Read { offset: 0, len: 64 }])
+                        .unwrap();
+                    let OpResult::Data(d) = &r[0] else { panic!() };
+                    let n: u64 = std::str::from_utf8(d).unwrap().parse().unwrap();
+                    let next = (n + 1).to_string();
+                    match c.op(
+                        pool,
+                        b"counter",
+                        &[SubOp::AssertVersion(v), SubOp::WriteFull(next.as_bytes())],
+                    ) {
+                        Ok((nv, _)) => {
+                            assert!(nv > v);
+                            acked.lock().unwrap().push((nv, n + 1));
+                            done += 1;
+                        }
+                        Err(e) => assert_eq!(status_of(&e), Some(Status::VersionMismatch), "{e}"),
+                    }
+                }
+            });
+        }
+    });
+    let mut acked = acked.into_inner().unwrap();
+    acked.sort();
+    // One linear history: versions strictly increase exactly as the counter does.
+    for (i, (_, n)) in acked.iter().enumerate() {
+        assert_eq!(*n, i as u64 + 1, "history {acked:?}");
+    }
+    let final_v: u64 = String::from_utf8(c.get(pool, b"counter").unwrap())
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(final_v, (threads * per) as u64);
+    // Blind concurrent write_fulls: the last version's content wins.
+    let results: Mutex<Vec<(u64, Vec<u8>)>> = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let results = &results;
+            s.spawn(move || {
+                for i in 0..10 {
+                    let d = bytes(t * 100 + i, 5000 + (t * 100 + i) as usize);
+                    let v = c.put(pool, b"blind", &d).unwrap();
+                    results.lock().unwrap().push((v, d));
+                }
+            });
+        }
+    });
+    let mut results = results.into_inner().unwrap();
+    results.sort_by_key(|r| r.0);
+    results
+        .windows(2)
+        .for_each(|w| assert!(w[0].0 < w[1].0, "versions are unique"));
+    assert!(c.get(pool, b"blind").unwrap() == results.last().unwrap().1);
+}
+
+#[test]
+fn kill_two_nodes_mid_workload_every_acknowledged_write_reads_back() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(
+        8,
+        1,
+        LocalOptions {
+            down_grace_ms: 2000,
+            write_wait_ms: 2000,
+            ..LocalOptions::default()
+        },
+    );
+    let c = &h.client;
+    let pool = c.create_pool("t", 6, 2, 64 << 10, 32, None).unwrap();
+    let acked: Mutex<Vec<(String, u64)>> = Mutex::new(Vec::new());
+    let failed: Mutex<Vec<(String, u64)>> = Mutex::new(Vec::new());
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let (acked, failed, stop) = (&acked, &failed, &stop);
+            s.spawn(move || {
+                let mut i = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let seed = t * 1_000_000 + i;
+                    let len = [4096usize, 70_000, 400_000, 1][(i % 4) as usize];
+                    let name = format!("w{t}-{i}");
+                    match c.put(pool, name.as_bytes(), &bytes(seed, len)) {
+                        Ok(_) => acked.lock().unwrap().push((name, seed)),
+                        Err(_) => failed.lock().unwrap().push((name, seed)),
+                    }
+                    i += 1;
+                }
+            });
+        }
+        std::thread::sleep(Duration::from_millis(1500));
+        h.lc.stop_member("node.2", true).unwrap();
+        h.lc.stop_member("node.5", true).unwrap();
+        std::thread::sleep(Duration::from_millis(3000));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    wait_down(c, &[2, 5]);
+    let acked = acked.into_inner().unwrap();
+    let failed = failed.into_inner().unwrap();
+    assert!(acked.len() > 20, "workload ran: {} acked", acked.len());
+    let len_of = |name: &str| {
+        let i: u64 = name.rsplit('-').next().unwrap().parse().unwrap();
+        [4096usize, 70_000, 400_000, 1][(i % 4) as usize]
+    };
+    for (name, seed) in &acked {
+        let got = c
+            .get(pool, name.as_bytes())
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(
+            got == bytes(*seed, len_of(name)),
+            "{name} reads back intact (degraded)"
+        );
+    }
+    let mut invisible = 0;
+    for (name, seed) in &failed {
+        match c.get(pool, name.as_bytes()) {
+            Ok(got) => assert!(
+                got == bytes(*seed, len_of(name)),
+                "{name}: an unacknowledged write is all or nothing"
+            ),
+            Err(e) => {
+                assert!(
+                    matches!(status_of(&e), Some(Status::NotFound | Status::Unavailable)),
+                    "{name}: {e}"
+                );
+                invisible += 1;
+            }
+        }
+    }
+    eprintln!(
+        "{} acknowledged, {} failed ({invisible} invisible)",
+        acked.len(),
+        failed.len()
+    );
+    // The nodes come back; everything still reads.
+    h.lc.start_member("node.2").unwrap();
+    h.lc.start_member("node.5").unwrap();
+    h.lc.wait_nodes_up(c, 8, Instant::now() + Duration::from_secs(60))
+        .unwrap();
+    for (name, seed) in acked.iter().step_by(5) {
+        assert!(c.get(pool, name.as_bytes()).unwrap() == bytes(*seed, len_of(name)));
+    }
+}
+
+struct Nothing;
+impl Dispatcher for Nothing {
+    fn handle(&self, _m: Incoming) {}
+}
+
+#[test]
+fn bad_input_gets_clear_errors_and_the_node_keeps_serving() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(8, 1, LocalOptions::default());
+    let c = &h.client;
+    let pool = c.create_pool("t", 6, 2, 64 << 10, 8, None).unwrap();
+    let e = c.put(999, b"x", b"y").unwrap_err();
+    assert_eq!(status_of(&e), Some(Status::NoSuchPool), "{e}");
+    let e = c.put(pool, &vec![b'n'; 1001], b"y").unwrap_err();
+    assert_eq!(status_of(&e), Some(Status::Invalid), "{e}");
+    // Raw requests straight to a node, bypassing the client's checks.
+    let secret = Secret::load(&h.lc.dir.join("cluster.key")).unwrap();
+    let m = Messenger::new(
+        messenger::Config::default(),
+        Identity::Client(4242),
+        secret,
+        Arc::new(Nothing),
+    )
+    .unwrap();
+    let map = c.map();
+    let node = &map.nodes[&1];
+    let conn = m.connect(node.addr, Identity::Node(1)).unwrap();
+    let ask = |t: u16, payload: Vec<u8>| -> (Status, String) {
+        let r = conn
+            .request(OutMessage::new(t, payload), Duration::from_secs(10))
+            .unwrap();
+        match wire::parse_reply(&r.payload) {
+            Ok(_) => (Status::Ok, String::new()),
+            Err(Error::Remote { status, message }) => (status, message),
+            Err(e) => panic!("{e}"),
+        }
+    };
+    let long_name = vec![b'a'; 5000];
+    let op = |name: &[u8], pool: u64| {
+        ClientOp {
+            epoch: map.epoch,
+            pool,
+            name,
+            flags: 0,
+            upload_id: 0,
+            ops: vec![SubOp::Stat],
+        }
+        .encode()
+    };
+    let (s, msg) = ask(wire::MSG_CLIENT_OP, op(&long_name, pool));
+    assert!(
+        matches!(s, Status::Invalid | Status::WrongPrimary),
+        "{s}: {msg}"
+    );
+    let (s, msg) = ask(wire::MSG_CLIENT_OP, op(b"x", 12345));
+    assert_eq!(s, Status::NoSuchPool, "{msg}");
+    let (s, msg) = ask(wire::MSG_CLIENT_OP, vec![1, 2, 3]);
+    assert_eq!(s, Status::Malformed, "{msg}");
+    let mut bad = op(b"x", pool);
+    bad.truncate(bad.len() - 1);
+    let (s, msg) = ask(wire::MSG_CLIENT_OP, bad);
+    assert!(
+        matches!(s, Status::Malformed | Status::WrongPrimary),
+        "{s}: {msg}"
+    );
+    let mut junk = op(b"x", pool);
+    let at = junk.len() - 1;
+    junk[at] = 250; // unknown sub-op code
+    let (s, msg) = ask(wire::MSG_CLIENT_OP, junk);
+    assert!(
+        matches!(s, Status::Malformed | Status::WrongPrimary),
+        "{s}: {msg}"
+    );
+    let (s, msg) = ask(wire::MSG_SHARD_WRITE, vec![0; 64]);
+    assert_eq!(
+        s,
+        Status::Invalid,
+        "shard ops are refused from clients: {msg}"
+    );
+    let (s, msg) = ask(777, vec![]);
+    assert_eq!(s, Status::Malformed, "{msg}");
+    // The node still serves.
+    c.put(pool, b"still-here", b"yes").unwrap();
+    assert_eq!(c.get(pool, b"still-here").unwrap(), b"yes");
+    assert!(c.map().nodes.values().all(|n| n.up));
+    m.shutdown();
+}
+
+#[test]
+fn three_monitors_keep_the_map_served_and_writable_when_the_leader_dies() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(
+        4,
+        3,
+        LocalOptions {
+            down_grace_ms: 2000,
+            out_grace_ms: 3000,
+            ..LocalOptions::default()
+        },
+    );
+    let c = &h.client;
+    let pool = c.create_pool("t", 2, 1, 64 << 10, 8, None).unwrap();
+    c.put(pool, b"before", b"1").unwrap();
+    let leader = c.status().unwrap().leader.expect("a leader");
+    h.lc.stop_member(&format!("mon.{leader}"), true).unwrap();
+    // Served: status and the map from a surviving monitor; writable: a new pool, a node death.
+    let t = Instant::now();
+    let s = loop {
+        match c.status() {
+            Ok(s) if s.leader.is_some_and(|l| l != leader) => break s,
+            _ if t.elapsed() > Duration::from_secs(30) => panic!("no new leader"),
+            _ => std::thread::sleep(Duration::from_millis(100)),
+        }
+    };
+    assert_ne!(s.leader, Some(leader));
+    let p2 = c.create_pool("after", 2, 1, 64 << 10, 8, None).unwrap();
+    assert!(p2 > pool);
+    c.put(p2, b"after", b"2").unwrap();
+    assert_eq!(c.get(pool, b"before").unwrap(), b"1");
+    h.lc.stop_member("node.4", true).unwrap();
+    wait_down(c, &[4]);
+    assert_eq!(c.get(p2, b"after").unwrap(), b"2");
+    // Down long enough, it is marked out: its PGs remap to the three nodes left, objects
+    // still read (from the shards that stayed) and writes go to the new members.
+    let t = Instant::now();
+    while c.map().nodes[&4].r#in {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "node.4 never marked out"
+        );
+        let _ = c.refresh_map();
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let m = c.map();
+    let p = &m.pools[&p2];
+    let a = nvstore::placement::Acting::compute(&m, p, nvstore::placement::pg_of(p, b"after"));
+    assert!(!a.members.contains(&Some(4)) && a.members.iter().all(|s| s.is_some()));
+    assert_eq!(c.get(p2, b"after").unwrap(), b"2");
+    c.put(p2, b"after-out", b"3").unwrap();
+    assert_eq!(c.get(p2, b"after-out").unwrap(), b"3");
+    c.write(p2, b"after", 1, b"+").unwrap();
+    assert_eq!(c.get(p2, b"after").unwrap(), b"2+");
+}
