@@ -3,10 +3,10 @@
 pub mod bench;
 pub mod cli;
 pub mod device;
-pub mod storebench;
 pub mod error;
 pub mod map;
 pub mod placement;
+pub mod storebench;
 pub mod storecli;
 pub mod wire;
 
