@@ -48,6 +48,8 @@ pub struct NodeStats {
     pub shards: u64,
     pub used_bytes: u64,
     pub capacity_bytes: u64,
+    #[serde(default)]
+    pub recovery: crate::node::recovery::RecoveryStats,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
@@ -77,6 +79,9 @@ pub struct StatusReport {
     pub used_bytes: u64,
     pub capacity_bytes: u64,
     pub io: IoRates,
+    /// Recovery summed over the up nodes.
+    #[serde(default)]
+    pub recovery: crate::node::recovery::RecoveryStats,
 }
 
 struct Seen {
@@ -378,6 +383,24 @@ impl Monitor {
                 _ => detail.push(format!("{n} pgs down: objects unavailable")),
             }
         }
+        let recovery = {
+            let seen = self.seen.lock().unwrap();
+            let mut r = crate::node::recovery::RecoveryStats::default();
+            for n in map.nodes.values().filter(|n| n.up) {
+                if let Some(s) = seen.get(&n.id) {
+                    r.add(&s.stats.recovery);
+                }
+            }
+            r
+        };
+        if recovery.active() {
+            detail.push(format!(
+                "recovering: {} object(s) ({:.1} MiB) left, {} pg(s) pending",
+                recovery.objects_left,
+                recovery.bytes_left as f64 / (1u64 << 20) as f64,
+                recovery.pgs_pending
+            ));
+        }
         let health = if pg_states.contains_key("down") {
             "HEALTH_ERR"
         } else if detail.is_empty() {
@@ -438,6 +461,7 @@ impl Monitor {
             used_bytes: used,
             capacity_bytes: cap,
             io,
+            recovery,
         }
     }
 }

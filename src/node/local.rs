@@ -676,6 +676,26 @@ impl Local {
         Ok(names)
     }
 
+    /// The PG's log window on this member, oldest first: (version, object name), and whether
+    /// older entries were trimmed (the window is full).
+    pub fn log_window(&self, pool: u64, pg: u32) -> (Vec<(u64, Vec<u8>)>, bool) {
+        let st = self.store(pool, pg);
+        let mut logs = self.pg_logs.lock().unwrap();
+        let log = logs
+            .entry((pool, pg))
+            .or_insert_with(|| self.load_log(st, pool, pg));
+        let mut out: Vec<(u64, Vec<u8>)> = log
+            .iter()
+            .filter(|k| k.name.len() >= 16)
+            .map(|k| {
+                let v = u64::from_be_bytes(k.name[8..16].try_into().expect("8 bytes"));
+                (v, k.name[16..].to_vec())
+            })
+            .collect();
+        out.sort();
+        (out, log.len() >= PG_LOG_ENTRIES_MAX)
+    }
+
     pub fn shard_count(&self) -> u64 {
         self.stores.iter().map(|s| s.object_count() as u64).sum()
     }

@@ -5,10 +5,12 @@
 //! and in arrival order); `node-op-N` threads run client ops, one PG at a time per thread, in
 //! each PG's arrival order; `node-shard-N` threads apply shard ops against the local stores
 //! (they block on group commit, so there are several); `node-heartbeat` reports to the
-//! monitors.
+//! monitors; `node-recovery` plans recovery, `node-recovery-N` rebuild objects and
+//! `node-rshard-N` serve recovery messages at low priority (`recovery`).
 
 pub mod local;
 pub mod primary;
+pub mod recovery;
 
 use std::collections::{HashMap, VecDeque};
 use std::path::Path;
@@ -52,7 +54,8 @@ pub struct Counters {
 }
 
 struct PgSlot {
-    queue: VecDeque<Incoming>,
+    /// (arrival, message)
+    queue: VecDeque<(Instant, Incoming)>,
     running: bool,
     cache: Arc<Mutex<PgCache>>,
 }
@@ -75,6 +78,9 @@ pub struct Node {
     staging: Mutex<HashMap<(Identity, u64), Staged>>,
     codecs: Mutex<HashMap<ec::Profile, Arc<ec::Codec>>>,
     pub counters: Counters,
+    /// Recovery messages, served after client shard ops.
+    recovery_q: Arc<WaitQueue<Incoming>>,
+    pub recovery: recovery::Recovery,
 }
 
 struct NodeDispatcher {
@@ -91,6 +97,11 @@ impl Dispatcher for NodeDispatcher {
                 | wire::MSG_SHARD_READ
                 | wire::MSG_SHARD_STAT
                 | wire::MSG_SHARD_ROLLBACK
+                | wire::MSG_SHARD_LIST
+                | wire::MSG_PG_LOG
+                | wire::MSG_PG_MARK
+                | wire::MSG_RECOVERY_READ
+                | wire::MSG_RECOVERY_WRITE
         )
     }
 
@@ -116,8 +127,14 @@ impl Dispatcher for NodeDispatcher {
             | wire::MSG_SHARD_READ
             | wire::MSG_SHARD_STAT
             | wire::MSG_SHARD_ROLLBACK => {
+                node.recovery.client_shard_queued.fetch_add(1, Relaxed);
                 node.shard_q.push(msg);
             }
+            wire::MSG_SHARD_LIST
+            | wire::MSG_PG_LOG
+            | wire::MSG_PG_MARK
+            | wire::MSG_RECOVERY_READ
+            | wire::MSG_RECOVERY_WRITE => node.enqueue_recovery(msg),
             t => {
                 let r = match t {
                     wire::MSG_CLIENT_STAGE => node.stage(&msg),
@@ -221,7 +238,7 @@ impl Node {
             running: false,
             cache: Arc::new(Mutex::new(PgCache::default())),
         });
-        slot.queue.push_back(msg);
+        slot.queue.push_back((Instant::now(), msg));
         if !slot.running {
             slot.running = true;
             self.run_q.push(key);
@@ -242,15 +259,17 @@ impl Node {
                         }
                     }
                 };
-                let mut job = job;
+                let (arrived, mut job) = job;
                 let r = self.run_client_op(&job, &cache);
                 self.reply_parts(&mut job, r);
+                self.recovery.client_latency(arrived.elapsed());
             }
         }
     }
 
     fn shard_thread(self: Arc<Self>) {
         while let Some(mut msg) = self.shard_q.pop() {
+            self.recovery.client_shard_queued.fetch_sub(1, Relaxed);
             let r = self.shard_op(&msg);
             self.reply_parts(&mut msg, r);
         }
@@ -423,6 +442,7 @@ impl Node {
             shards: self.local.shard_count(),
             used_bytes: used,
             capacity_bytes: cap,
+            recovery: self.recovery.stats(),
         }
     }
 
@@ -535,6 +555,8 @@ pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
         staging: Mutex::new(HashMap::new()),
         codecs: Mutex::new(HashMap::new()),
         counters: Counters::default(),
+        recovery_q: Arc::new(WaitQueue::new()),
+        recovery: recovery::Recovery::default(),
     });
     let _ = node.msgr.set(msgr.clone());
     let _ = disp.node.set(node.clone());
@@ -551,6 +573,13 @@ pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
         std::thread::Builder::new()
             .name(format!("node-shard-{i}"))
             .spawn(move || n.shard_thread())
+            .map_err(|e| Error::io("spawn", e))?;
+    }
+    for i in 0..recovery::RECOVERY_SHARD_THREADS {
+        let n = node.clone();
+        std::thread::Builder::new()
+            .name(format!("node-rshard-{i}"))
+            .spawn(move || n.recovery_shard_thread())
             .map_err(|e| Error::io("spawn", e))?;
     }
     let r = monc.command(&MonCommand::Boot(NodeInfo {
@@ -573,6 +602,18 @@ pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
     std::thread::Builder::new()
         .name("node-heartbeat".into())
         .spawn(move || n.heartbeat_loop())
+        .map_err(|e| Error::io("spawn", e))?;
+    for i in 0..recovery::RECOVERY_THREADS {
+        let n = node.clone();
+        std::thread::Builder::new()
+            .name(format!("node-recovery-{i}"))
+            .spawn(move || n.recovery_worker())
+            .map_err(|e| Error::io("spawn", e))?;
+    }
+    let n = node.clone();
+    std::thread::Builder::new()
+        .name("node-recovery".into())
+        .spawn(move || n.recovery_loop())
         .map_err(|e| Error::io("spawn", e))?;
     info!("node {} up at {addr}, map epoch {}", cfg.id, r.epoch);
     if !monc.map().nodes.contains_key(&cfg.id) {

@@ -64,9 +64,9 @@ impl ObjState {
 #[derive(Default)]
 pub struct PgCache {
     /// `MonClient::node_change_epoch` when the cache was filled.
-    node_change_epoch: u64,
-    members: Vec<Option<u32>>,
-    objs: HashMap<Vec<u8>, ObjState>,
+    pub(super) node_change_epoch: u64,
+    pub(super) members: Vec<Option<u32>>,
+    pub(super) objs: HashMap<Vec<u8>, ObjState>,
     seq: u32,
 }
 
@@ -81,17 +81,17 @@ pub struct Ctx {
 }
 
 impl Ctx {
-    fn k(&self) -> usize {
+    pub(super) fn k(&self) -> usize {
         self.pool.k as usize
     }
-    fn n(&self) -> usize {
+    pub(super) fn n(&self) -> usize {
         self.pool.size()
     }
-    fn up(&self, slot: usize) -> Option<u32> {
+    pub(super) fn up(&self, slot: usize) -> Option<u32> {
         self.acting.members[slot].filter(|n| self.map.is_up(*n))
     }
     /// Bytes of shard `slot` that are not padding.
-    fn clip(&self, slot: usize, size: u64) -> u64 {
+    pub(super) fn clip(&self, slot: usize, size: u64) -> u64 {
         if size == 0 {
             return 0;
         }
@@ -269,7 +269,7 @@ impl Node {
 
     /// Send one shard request per (slot, parts) and collect the replies; the slot on this
     /// node runs `local` here, after the remote requests are on their way.
-    fn fan_out(
+    pub(super) fn fan_out(
         &self,
         ctx: &Ctx,
         msg_type: u16,
@@ -332,7 +332,7 @@ impl Node {
         }
     }
 
-    fn local_shard_op(&self, msg_type: u16, body: &[u8]) -> Result<Vec<u8>> {
+    pub(super) fn local_shard_op(&self, msg_type: u16, body: &[u8]) -> Result<Vec<u8>> {
         let mut d = Dec::new(body);
         let _epoch = d.u64()?;
         let mut e = Enc::new(self.epoch());
@@ -365,7 +365,7 @@ impl Node {
         Ok(e.finish())
     }
 
-    fn shard_req_head(&self, ctx: &Ctx, name: &[u8], slot: usize) -> Enc {
+    pub(super) fn shard_req_head(&self, ctx: &Ctx, name: &[u8], slot: usize) -> Enc {
         let mut e = Enc::new(ctx.map.epoch);
         e.u64(ctx.pool.id).u32(ctx.pg).bytes(name).u8(slot as u8);
         e
@@ -373,7 +373,7 @@ impl Node {
 
     // ---- resolve --------------------------------------------------------------------------
 
-    fn resolve(&self, ctx: &Ctx, c: &mut PgCache, name: &[u8]) -> Result<ObjState> {
+    pub(super) fn resolve(&self, ctx: &Ctx, c: &mut PgCache, name: &[u8]) -> Result<ObjState> {
         if let Some(s) = c.objs.get(name) {
             return Ok(s.clone());
         }
@@ -1130,7 +1130,7 @@ impl Fetched {
     }
 }
 
-fn remember(c: &mut PgCache, name: &[u8], st: &ObjState) {
+pub(super) fn remember(c: &mut PgCache, name: &[u8], st: &ObjState) {
     if c.objs.len() >= CACHE_OBJECTS_MAX {
         c.objs.clear();
     }
