@@ -303,7 +303,8 @@ fn next_window(window: usize, mean: Option<(f64, f64)>) -> usize {
 pub struct LogInfo {
     /// (slot, complete-through version)
     pub mark: Option<(u8, u64)>,
-    pub trimmed: bool,
+    /// The newest version trimmed from the window (0: none).
+    pub trimmed: u64,
     /// (version, name), oldest first.
     pub entries: Vec<(u64, Vec<u8>)>,
 }
@@ -314,7 +315,7 @@ impl LogInfo {
             Some((s, v)) => e.u8(1).u8(s).u64(v),
             None => e.u8(0).u8(0).u64(0),
         };
-        e.u8(self.trimmed as u8).u32(self.entries.len() as u32);
+        e.u64(self.trimmed).u32(self.entries.len() as u32);
         for (v, n) in &self.entries {
             e.u64(*v).bytes(n);
         }
@@ -323,7 +324,7 @@ impl LogInfo {
     pub fn decode(d: &mut Dec) -> Result<LogInfo> {
         let has = d.u8()? != 0;
         let (s, v) = (d.u8()?, d.u64()?);
-        let trimmed = d.u8()? != 0;
+        let trimmed = d.u64()?;
         let n = d.u32()? as usize;
         let mut entries = Vec::with_capacity(n.min(4096));
         for _ in 0..n {
@@ -338,7 +339,7 @@ impl LogInfo {
 
     /// Whether the window still holds every entry after `version`.
     fn covers(&self, version: u64) -> bool {
-        !self.trimmed || self.entries.first().is_some_and(|e| e.0 <= version)
+        self.trimmed <= version
     }
 }
 
@@ -1141,7 +1142,7 @@ impl Node {
 mod tests {
     use super::*;
 
-    fn log(mark: Option<(u8, u64)>, trimmed: bool, entries: &[(u64, &str)]) -> LogInfo {
+    fn log(mark: Option<(u8, u64)>, trimmed: u64, entries: &[(u64, &str)]) -> LogInfo {
         LogInfo {
             mark,
             trimmed,
@@ -1154,11 +1155,11 @@ mod tests {
 
     #[test]
     fn log_info_round_trips() {
-        let l = log(Some((3, 77)), true, &[(5, "a"), (9, "bb")]);
+        let l = log(Some((3, 77)), 4, &[(5, "a"), (9, "bb")]);
         let mut e = Enc::default();
         l.encode(&mut e);
         assert_eq!(LogInfo::decode(&mut Dec::new(&e.0)).unwrap(), l);
-        let l = log(None, false, &[]);
+        let l = log(None, 0, &[]);
         let mut e = Enc::default();
         l.encode(&mut e);
         assert_eq!(LogInfo::decode(&mut Dec::new(&e.0)).unwrap(), l);
@@ -1169,16 +1170,10 @@ mod tests {
     #[test]
     fn delta_takes_the_missed_writes_and_falls_back_to_backfill() {
         let mut logs = HashMap::new();
-        logs.insert(
-            0,
-            log(Some((0, 10)), false, &[(5, "a"), (11, "b"), (12, "c")]),
-        );
-        logs.insert(
-            1,
-            log(Some((1, 10)), false, &[(5, "a"), (11, "b"), (12, "c")]),
-        );
+        logs.insert(0, log(Some((0, 10)), 0, &[(5, "a"), (11, "b"), (12, "c")]));
+        logs.insert(1, log(Some((1, 10)), 0, &[(5, "a"), (11, "b"), (12, "c")]));
         // Slot 2 was down from version 10: it missed b and c; it got d after coming back.
-        logs.insert(2, log(Some((2, 10)), false, &[(5, "a"), (13, "d")]));
+        logs.insert(2, log(Some((2, 10)), 0, &[(5, "a"), (13, "d")]));
         logs.insert(0, {
             let mut l = logs[&0].clone();
             l.entries.push((13, b"d".to_vec()));
@@ -1193,14 +1188,14 @@ mod tests {
         assert_eq!(names, ["b", "c", "d"]);
         assert!(backfill.is_empty());
         // A mark for another slot (a remap) means a scan.
-        logs.insert(2, log(Some((5, 10)), false, &[(5, "a")]));
+        logs.insert(2, log(Some((5, 10)), 0, &[(5, "a")]));
         assert_eq!(plan_delta(&logs, &[0, 1, 2]).1, vec![2]);
         // A trimmed window that starts after the mark means a scan.
-        logs.insert(2, log(Some((2, 3)), false, &[(5, "a")]));
-        logs.insert(0, log(Some((0, 10)), true, &[(5, "a"), (11, "b")]));
+        logs.insert(2, log(Some((2, 3)), 0, &[(5, "a")]));
+        logs.insert(0, log(Some((0, 10)), 4, &[(5, "a"), (11, "b")]));
         assert_eq!(plan_delta(&logs, &[0, 1, 2]).1, vec![2]);
         // No mark at all: a scan.
-        logs.insert(1, log(None, false, &[]));
+        logs.insert(1, log(None, 0, &[]));
         assert!(plan_delta(&logs, &[0, 1, 2]).1.contains(&1));
     }
 
