@@ -12,9 +12,10 @@
 //!    client latencies from the moment it is marked out until recovery is done, and the
 //!    rebuild rate;
 //! 4. **raw bottleneck**: the same volume as step 1 through the simplest loop that does what
-//!    a rebuild does: read k equal chunks from k surviving nodes' device files (pread, 1 MiB),
-//!    `Codec::reconstruct` one missing shard, write it to a new file (pwrite, fdatasync at
-//!    the end); plus each resource alone (read, reconstruct, write) to name the bottleneck.
+//!    a rebuild does: read k equal 1 MiB chunks from k surviving nodes' device files
+//!    (O_DIRECT, like the nodes), `Codec::reconstruct` one missing shard, write it to a new
+//!    file (O_DIRECT, fdatasync at the end), 8 threads; plus each resource alone (read,
+//!    reconstruct, write) to name the bottleneck.
 //!
 //! All processes share the machine: the figures are medians/ratios of one run, not a spec.
 
@@ -42,6 +43,10 @@ const RECOVERY_WAIT_MAX: Duration = Duration::from_secs(3600);
 const POLL: Duration = Duration::from_millis(250);
 /// Chunk per shard in the raw loop.
 const RAW_CHUNK_BYTES: usize = 1 << 20;
+/// Threads of the raw loop (each one chunk at a time: `RAW_THREADS` chunks in flight).
+const RAW_THREADS: usize = 8;
+/// O_DIRECT buffer alignment.
+const RAW_ALIGN_BYTES: usize = 4096;
 /// Object puts in flight while filling.
 const FILL_THREADS: usize = 8;
 
@@ -356,19 +361,24 @@ fn take(h: &Mutex<Histogram<u64>>, errors: &std::sync::atomic::AtomicU64) -> Lat
 }
 
 /// Recovery summed over the up nodes, once every up node has reported nothing left for a few
-/// polls and `done` holds.
+/// polls and `done` holds; and when the first of those polls was made.
 fn wait_idle(
     c: &Client,
     done: impl Fn(&RecoveryStats) -> bool,
-) -> Result<RecoveryStats, Box<dyn std::error::Error>> {
+) -> Result<(RecoveryStats, Instant), Box<dyn std::error::Error>> {
     let t = Instant::now();
     let mut quiet = 0;
+    let mut first_quiet = t;
     loop {
+        let asked = Instant::now();
         let s = c.status()?.recovery;
         if !s.active() && done(&s) {
+            if quiet == 0 {
+                first_quiet = asked;
+            }
             quiet += 1;
             if quiet >= 3 {
-                return Ok(s);
+                return Ok((s, first_quiet));
             }
         } else {
             quiet = 0;
@@ -411,9 +421,8 @@ fn lose_node(
     victim: u32,
 ) -> Result<(u64, f64, RecoveryStats), Box<dyn std::error::Error>> {
     let (before, t) = kill_and_mark_out(lc, c, victim)?;
-    let after = wait_idle(c, |s| s.backfill_bytes > before.backfill_bytes)?;
-    // The last polls only confirmed it was done.
-    let secs = (t.elapsed() - POLL * 3).as_secs_f64().max(1e-3);
+    let (after, end) = wait_idle(c, |s| s.backfill_bytes > before.backfill_bytes)?;
+    let secs = end.duration_since(t).as_secs_f64().max(1e-3);
     Ok((after.backfill_bytes - before.backfill_bytes, secs, after))
 }
 
@@ -427,12 +436,116 @@ fn lose_node_recording(
     recording.store(true, Relaxed);
     let after = wait_idle(c, |s| s.backfill_bytes > before.backfill_bytes);
     recording.store(false, Relaxed);
-    let after = after?;
-    let secs = (t.elapsed() - POLL * 3).as_secs_f64().max(1e-3);
+    let (after, end) = after?;
+    let secs = end.duration_since(t).as_secs_f64().max(1e-3);
     Ok((after.backfill_bytes - before.backfill_bytes, secs))
 }
 
-/// The raw rates for `out_bytes` of rebuilt shard data (see the module doc).
+/// A 4 KiB-aligned buffer for O_DIRECT IO.
+struct Aligned {
+    v: Vec<u8>,
+    at: usize,
+}
+
+impl Aligned {
+    fn new(len: usize) -> Aligned {
+        let v = vec![0u8; len + RAW_ALIGN_BYTES];
+        let at = v.as_ptr().align_offset(RAW_ALIGN_BYTES);
+        Aligned { v, at }
+    }
+    fn get(&self) -> &[u8] {
+        &self.v[self.at..self.at + RAW_CHUNK_BYTES]
+    }
+    fn get_mut(&mut self) -> &mut [u8] {
+        &mut self.v[self.at..self.at + RAW_CHUNK_BYTES]
+    }
+}
+
+fn open_direct(path: &Path, write: bool) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(!write)
+        .write(write)
+        .create(write)
+        .truncate(write)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+}
+
+/// What one raw pass does per chunk.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum RawStep {
+    All,
+    Read,
+    Reconstruct,
+    Write,
+}
+
+/// Rebuild one missing data shard from k - 1 data shards and one parity shard.
+fn raw_reconstruct(codec: &Codec, k: usize, m: usize, ins: &[Aligned], out: &mut Aligned) {
+    let mut slots: Vec<Shard> = Vec::with_capacity(k + m);
+    slots.push(Shard::Wanted(out.get_mut()));
+    for v in ins.iter().take(k - 1) {
+        slots.push(Shard::Present(v.get()));
+    }
+    slots.push(Shard::Present(ins[k - 1].get()));
+    for _ in 1..m {
+        slots.push(Shard::Missing);
+    }
+    codec
+        .reconstruct(&mut slots)
+        .expect("k shards of equal length");
+}
+
+/// One raw pass over `chunks` chunks from `RAW_THREADS` threads; seconds taken.
+fn raw_pass(
+    step: RawStep,
+    ins: &[File],
+    out: &File,
+    codec: &Codec,
+    (k, m): (usize, usize),
+    chunks: u64,
+) -> std::io::Result<f64> {
+    let t = Instant::now();
+    std::thread::scope(|s| -> std::io::Result<()> {
+        let hs: Vec<_> = (0..RAW_THREADS as u64)
+            .map(|t| {
+                s.spawn(move || -> std::io::Result<()> {
+                    let mut bufs: Vec<Aligned> =
+                        (0..k).map(|_| Aligned::new(RAW_CHUNK_BYTES)).collect();
+                    let mut rebuilt = Aligned::new(RAW_CHUNK_BYTES);
+                    for i in (t..chunks).step_by(RAW_THREADS) {
+                        let at = i * RAW_CHUNK_BYTES as u64;
+                        if matches!(step, RawStep::All | RawStep::Read) {
+                            for (f, b) in ins.iter().zip(bufs.iter_mut()) {
+                                f.read_exact_at(b.get_mut(), at)?;
+                            }
+                        }
+                        if matches!(step, RawStep::All | RawStep::Reconstruct) {
+                            raw_reconstruct(codec, k, m, &bufs, &mut rebuilt);
+                        }
+                        if matches!(step, RawStep::All | RawStep::Write) {
+                            out.write_all_at(rebuilt.get(), at)?;
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().expect("raw thread")?;
+        }
+        Ok(())
+    })?;
+    if matches!(step, RawStep::All | RawStep::Write) {
+        out.sync_data()?;
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// The raw rates for `out_bytes` of rebuilt shard data (see the module doc): O_DIRECT reads
+/// of 1 MiB chunks at the front of the surviving nodes' device files (where their stores
+/// wrote), `RAW_THREADS` threads, into one new file written O_DIRECT.
 fn raw_rates(
     survivors: &[PathBuf],
     dir: &Path,
@@ -440,78 +553,38 @@ fn raw_rates(
     m: usize,
     out_bytes: u64,
 ) -> Result<RawRates, Box<dyn std::error::Error>> {
-    let files: Vec<File> = survivors.iter().map(File::open).collect::<Result<_, _>>()?;
-    let span = files
+    let ins: Vec<File> = survivors
+        .iter()
+        .map(|p| open_direct(p, false))
+        .collect::<Result<_, _>>()?;
+    let span = ins
         .iter()
         .map(|f| f.metadata().map(|m| m.len()))
         .collect::<Result<Vec<_>, _>>()?
         .into_iter()
         .min()
         .unwrap_or(0);
-    let chunks = out_bytes.div_ceil(RAW_CHUNK_BYTES as u64);
-    let max_chunks = span / RAW_CHUNK_BYTES as u64;
-    if max_chunks == 0 {
+    let chunks = out_bytes
+        .div_ceil(RAW_CHUNK_BYTES as u64)
+        .min(span / RAW_CHUNK_BYTES as u64);
+    if chunks == 0 {
         return Err("device files are too small for the raw loop".into());
     }
-    let profile = Profile::new(k, m, RAW_CHUNK_BYTES)?;
-    let codec = Codec::new(profile);
+    let codec = Codec::new(Profile::new(k, m, RAW_CHUNK_BYTES)?);
     let out_path = dir.join("raw-rebuild.out");
-    let out = File::create(&out_path)?;
-    let mut ins: Vec<Vec<u8>> = vec![vec![0u8; RAW_CHUNK_BYTES]; k];
-    let mut rebuilt = vec![0u8; RAW_CHUNK_BYTES];
-    // One missing data shard rebuilt from k - 1 data shards and one parity shard.
-    let reconstruct = |ins: &[Vec<u8>], rebuilt: &mut [u8]| -> Result<(), ec::Error> {
-        let mut slots: Vec<Shard> = Vec::with_capacity(k + m);
-        slots.push(Shard::Wanted(rebuilt));
-        for v in ins.iter().take(k - 1) {
-            slots.push(Shard::Present(v));
-        }
-        slots.push(Shard::Present(&ins[k - 1]));
-        for _ in 1..m {
-            slots.push(Shard::Missing);
-        }
-        codec.reconstruct(&mut slots)
-    };
-    // Read + reconstruct + write, in one loop.
-    let rng_off = rand::thread_rng().gen_range(0..max_chunks);
-    let t = Instant::now();
-    for i in 0..chunks {
-        let at = ((rng_off + i) % max_chunks) * RAW_CHUNK_BYTES as u64;
-        for (f, b) in files.iter().zip(ins.iter_mut()) {
-            f.read_exact_at(b, at)?;
-        }
-        reconstruct(&ins, &mut rebuilt)?;
-        out.write_all_at(&rebuilt, i * RAW_CHUNK_BYTES as u64)?;
-    }
-    out.sync_data()?;
-    let rebuild_s = t.elapsed().as_secs_f64();
-    // Each resource alone.
-    let t = Instant::now();
-    for i in 0..chunks {
-        let at = ((rng_off + chunks + i) % max_chunks) * RAW_CHUNK_BYTES as u64;
-        for (f, b) in files.iter().zip(ins.iter_mut()) {
-            f.read_exact_at(b, at)?;
-        }
-    }
-    let read_s = t.elapsed().as_secs_f64();
-    let t = Instant::now();
-    for _ in 0..chunks {
-        reconstruct(&ins, &mut rebuilt)?;
-    }
-    let ec_s = t.elapsed().as_secs_f64();
-    let t = Instant::now();
-    for i in 0..chunks {
-        out.write_all_at(&rebuilt, i * RAW_CHUNK_BYTES as u64)?;
-    }
-    out.sync_data()?;
-    let write_s = t.elapsed().as_secs_f64();
+    let out = open_direct(&out_path, true)?;
+    let km = (k, m);
+    let all = raw_pass(RawStep::All, &ins, &out, &codec, km, chunks)?;
+    let read = raw_pass(RawStep::Read, &ins, &out, &codec, km, chunks)?;
+    let ec = raw_pass(RawStep::Reconstruct, &ins, &out, &codec, km, chunks)?;
+    let write = raw_pass(RawStep::Write, &ins, &out, &codec, km, chunks)?;
     drop(out);
     let _ = std::fs::remove_file(&out_path);
     let bytes = (chunks * RAW_CHUNK_BYTES as u64) as f64;
     let rates = [
-        ("device reads", mb(bytes) / read_s),
-        ("reconstruct (CPU)", mb(bytes) / ec_s),
-        ("device writes", mb(bytes) / write_s),
+        ("device reads", mb(bytes) / read),
+        ("reconstruct (CPU)", mb(bytes) / ec),
+        ("device writes", mb(bytes) / write),
     ];
     let bottleneck = rates
         .iter()
@@ -519,7 +592,7 @@ fn raw_rates(
         .map(|r| r.0.to_string())
         .unwrap_or_default();
     Ok(RawRates {
-        rebuild_mb_s: mb(bytes) / rebuild_s,
+        rebuild_mb_s: mb(bytes) / all,
         read_mb_s: rates[0].1,
         reconstruct_mb_s: rates[1].1,
         write_mb_s: rates[2].1,

@@ -67,6 +67,8 @@ const LATENCY_RISE_FLOOR_US: f64 = 1000.0;
 const LATENCY_HISTORY_TICKS: usize = 50;
 /// A PG whose pass failed is planned again after this pause.
 pub const RETRY_PAUSE: Duration = Duration::from_secs(2);
+/// Attempts at one object's rebuild when clients keep writing it.
+const REBUILD_ATTEMPTS_MAX: u32 = 3;
 /// Entries one `MSG_SHARD_LIST` reply carries at most.
 const LIST_PAGE_MAX: u32 = 4096;
 /// Longest a recovery message waits for client shard ops to drain before it runs anyway.
@@ -361,6 +363,12 @@ fn mark_key(pool: u64, pg: u32) -> ObjectKey {
 
 fn bit(slot: usize) -> u64 {
     1u64 << slot
+}
+
+/// Shards rebuilt for one version of an object.
+struct Rebuilt {
+    version: u64,
+    data: BTreeMap<usize, Vec<u8>>,
 }
 
 /// The bytes of a shard covering whole stripes of an object of `size` bytes.
@@ -985,11 +993,36 @@ impl Node {
     /// Bring every up member of the object's PG to its current version. `Some(shard bytes
     /// written)` when something was rebuilt.
     fn rebuild(&self, item: &Item) -> Result<Option<u64>> {
-        let (pool, pg, name) = (item.pass.pool, item.pass.pg, item.name.as_slice());
-        let Some(ctx) = self.recovery_ctx(pool, pg) else {
-            return Ok(None); // no longer ours: the new primary recovers it
-        };
-        let lock = self.pg_lock(pool, pg);
+        for _ in 0..REBUILD_ATTEMPTS_MAX {
+            match self.rebuild_once(item) {
+                // A client wrote the object meanwhile: look again.
+                Err(Error::Remote {
+                    status: Status::VersionMismatch,
+                    ..
+                }) => {}
+                Err(Error::FetchFailed(_, e))
+                    if matches!(
+                        *e,
+                        Error::Remote {
+                            status: Status::VersionMismatch,
+                            ..
+                        }
+                    ) => {}
+                r => return r,
+            }
+        }
+        Err(Error::remote(
+            Status::VersionMismatch,
+            "the object kept changing during its rebuild",
+        ))
+    }
+
+    /// The PG's op lock, its cache reset if members or node states changed since it was filled.
+    fn lock_pg<'a>(
+        &self,
+        ctx: &Ctx,
+        lock: &'a Mutex<PgCache>,
+    ) -> std::sync::MutexGuard<'a, PgCache> {
         let mut c = lock.lock().unwrap();
         let changed = self.monc.node_change_epoch();
         if c.members != ctx.acting.members || c.node_change_epoch != changed {
@@ -997,16 +1030,47 @@ impl Node {
             c.node_change_epoch = changed;
             c.objs.clear();
         }
-        c.objs.remove(name);
-        let mut st = self.resolve(&ctx, &mut c, name)?;
+        c
+    }
+
+    /// One attempt. The PG's op lock is held to resolve the object and again to write, not
+    /// while the shards are read and decoded: client ops on the PG wait only for the
+    /// (small) stat round and the writes. A client write in between changes the version,
+    /// which the second look (or a read at the old version) notices: `VersionMismatch`.
+    fn rebuild_once(&self, item: &Item) -> Result<Option<u64>> {
+        let (pool, pg, name) = (item.pass.pool, item.pass.pg, item.name.as_slice());
+        let Some(ctx) = self.recovery_ctx(pool, pg) else {
+            return Ok(None); // no longer ours: the new primary recovers it
+        };
+        let lock = self.pg_lock(pool, pg);
+        let st = {
+            let mut c = self.lock_pg(&ctx, &lock);
+            c.objs.remove(name);
+            self.resolve(&ctx, &mut c, name)?
+        };
         let up_mask = (0..ctx.n())
             .filter(|s| ctx.up(*s).is_some())
             .fold(0, |a, s| a | bit(s));
-        let need = up_mask & !st.current;
-        if st.version == 0 || need == 0 {
+        if st.version == 0 || up_mask & !st.current == 0 {
             return Ok(None);
         }
-        let shards = self.rebuilt_shards(&ctx, name, &st, need)?;
+        let shards = self.rebuilt_shards(&ctx, name, &st, up_mask & !st.current)?;
+        let mut c = self.lock_pg(&ctx, &lock);
+        let mut st = match c.objs.get(name) {
+            Some(now) => now.clone(),
+            None => self.resolve(&ctx, &mut c, name)?,
+        };
+        if st.version != shards.version {
+            return Err(Error::remote(Status::VersionMismatch, "changed meanwhile"));
+        }
+        let shards: BTreeMap<usize, Vec<u8>> = shards
+            .data
+            .into_iter()
+            .filter(|(s, _)| st.current & bit(*s) == 0 && ctx.up(*s).is_some())
+            .collect();
+        if shards.is_empty() {
+            return Ok(None);
+        }
         let meta = ShardMeta {
             version: st.version,
             size: st.size,
@@ -1072,10 +1136,13 @@ impl Node {
         name: &[u8],
         st: &super::primary::ObjState,
         need: u64,
-    ) -> Result<BTreeMap<usize, Vec<u8>>> {
+    ) -> Result<Rebuilt> {
         let slots = (0..ctx.n()).filter(|s| need & bit(*s) != 0);
         if st.deleted || st.size == 0 {
-            return Ok(slots.map(|s| (s, Vec::new())).collect());
+            return Ok(Rebuilt {
+                version: st.version,
+                data: slots.map(|s| (s, Vec::new())).collect(),
+            });
         }
         let len = padded_shard_len(ctx, st.size);
         let mut sources: Vec<usize> = (0..ctx.n())
@@ -1134,7 +1201,10 @@ impl Node {
         for (s, v) in wanted.iter_mut() {
             v.truncate(ctx.clip(*s, st.size) as usize);
         }
-        Ok(wanted)
+        Ok(Rebuilt {
+            version: st.version,
+            data: wanted,
+        })
     }
 }
 
