@@ -269,9 +269,9 @@ impl Node {
 
     fn shard_thread(self: Arc<Self>) {
         while let Some(mut msg) = self.shard_q.pop() {
-            self.recovery.client_shard_queued.fetch_sub(1, Relaxed);
             let r = self.shard_op(&msg);
             self.reply_parts(&mut msg, r);
+            self.recovery.client_shard_queued.fetch_sub(1, Relaxed);
         }
     }
 

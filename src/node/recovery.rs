@@ -179,7 +179,7 @@ pub struct Recovery {
     ctl: Mutex<Control>,
     ctl_cv: Condvar,
     lat: Mutex<Latency>,
-    /// Client shard ops queued on this node and not yet started.
+    /// Client shard ops queued or running on this node.
     pub(super) client_shard_queued: AtomicUsize,
     /// PGs to plan again after a failed pass.
     retry: Mutex<BTreeSet<(u64, u32)>>,
@@ -365,12 +365,6 @@ fn bit(slot: usize) -> u64 {
     1u64 << slot
 }
 
-/// Shards rebuilt for one version of an object.
-struct Rebuilt {
-    version: u64,
-    data: BTreeMap<usize, Vec<u8>>,
-}
-
 /// The bytes of a shard covering whole stripes of an object of `size` bytes.
 fn padded_shard_len(ctx: &Ctx, size: u64) -> u64 {
     size.div_ceil(ctx.profile.stripe_width()) * ctx.profile.stripe_unit() as u64
@@ -386,7 +380,7 @@ impl Node {
 
     pub(super) fn recovery_shard_thread(self: Arc<Self>) {
         while let Some(mut msg) = self.recovery_q.pop() {
-            // Stand aside while client shard ops wait for a thread.
+            // Stand aside while client shard ops are queued or running.
             let t = Instant::now();
             while self.recovery.client_shard_queued.load(Relaxed) > 0 && t.elapsed() < YIELD_MAX {
                 std::thread::sleep(Duration::from_micros(200));
@@ -1045,8 +1039,10 @@ impl Node {
         let lock = self.pg_lock(pool, pg);
         let st = {
             let mut c = self.lock_pg(&ctx, &lock);
-            c.objs.remove(name);
-            self.resolve(&ctx, &mut c, name)?
+            match c.objs.get(name) {
+                Some(st) => st.clone(),
+                None => self.resolve(&ctx, &mut c, name)?,
+            }
         };
         let up_mask = (0..ctx.n())
             .filter(|s| ctx.up(*s).is_some())
@@ -1054,23 +1050,11 @@ impl Node {
         if st.version == 0 || up_mask & !st.current == 0 {
             return Ok(None);
         }
+        // Unlocked from here: a client write racing these writes is safe. A whole-shard
+        // client write reaches the target too, and whichever lands second, the newer version
+        // stays (a recovery write never replaces a newer shard); a partial one skips the
+        // target (not current), which stays stale and is not marked current below.
         let shards = self.rebuilt_shards(&ctx, name, &st, up_mask & !st.current)?;
-        let mut c = self.lock_pg(&ctx, &lock);
-        let mut st = match c.objs.get(name) {
-            Some(now) => now.clone(),
-            None => self.resolve(&ctx, &mut c, name)?,
-        };
-        if st.version != shards.version {
-            return Err(Error::remote(Status::VersionMismatch, "changed meanwhile"));
-        }
-        let shards: BTreeMap<usize, Vec<u8>> = shards
-            .data
-            .into_iter()
-            .filter(|(s, _)| st.current & bit(*s) == 0 && ctx.up(*s).is_some())
-            .collect();
-        if shards.is_empty() {
-            return Ok(None);
-        }
         let meta = ShardMeta {
             version: st.version,
             size: st.size,
@@ -1111,18 +1095,29 @@ impl Node {
             self.apply_recovery(&write(s))?;
             Ok(Payload::from_vec(Vec::new()))
         };
-        let mut bytes = 0;
+        let (mut bytes, mut acked) = (0, 0u64);
         let mut err = None;
         for (slot, r) in self.fan_out(&ctx, wire::MSG_RECOVERY_WRITE, reqs, &local) {
             match r {
                 Ok(_) => {
-                    st.current |= bit(slot);
+                    acked |= bit(slot);
                     bytes += shards[&slot].len() as u64;
                 }
                 Err(e) => err = Some(Error::FetchFailed(slot, Box::new(e))),
             }
         }
-        remember(&mut c, name, &st);
+        // The slots are current only if the object is still at the version rebuilt; if a
+        // client wrote it meanwhile, look again (the caller retries).
+        let mut c = self.lock_pg(&ctx, &lock);
+        if let Some(now) = c.objs.get(name) {
+            if now.version != st.version {
+                return Err(Error::remote(Status::VersionMismatch, "written meanwhile"));
+            }
+            let mut now = now.clone();
+            now.current |= acked;
+            remember(&mut c, name, &now);
+        }
+        drop(c);
         match err {
             Some(e) => Err(e),
             None => Ok(Some(bytes)),
@@ -1136,13 +1131,10 @@ impl Node {
         name: &[u8],
         st: &super::primary::ObjState,
         need: u64,
-    ) -> Result<Rebuilt> {
+    ) -> Result<BTreeMap<usize, Vec<u8>>> {
         let slots = (0..ctx.n()).filter(|s| need & bit(*s) != 0);
         if st.deleted || st.size == 0 {
-            return Ok(Rebuilt {
-                version: st.version,
-                data: slots.map(|s| (s, Vec::new())).collect(),
-            });
+            return Ok(slots.map(|s| (s, Vec::new())).collect());
         }
         let len = padded_shard_len(ctx, st.size);
         let mut sources: Vec<usize> = (0..ctx.n())
@@ -1201,10 +1193,7 @@ impl Node {
         for (s, v) in wanted.iter_mut() {
             v.truncate(ctx.clip(*s, st.size) as usize);
         }
-        Ok(Rebuilt {
-            version: st.version,
-            data: wanted,
-        })
+        Ok(wanted)
     }
 }
 
