@@ -26,8 +26,9 @@
 //!
 //! **Rate.** The number of object rebuilds in flight (the window) follows AIMD on this node's
 //! client-op latency: every [`TICK`], with no client ops it grows by one; with client ops it
-//! grows by one unless their mean latency exceeds [`LATENCY_RISE`] × the baseline (the mean
-//! measured while recovery was idle, or the lowest recent mean), then it halves. On the
+//! grows by one unless their p90 latency exceeds [`LATENCY_RISE`] × the baseline (the p90
+//! measured while recovery was idle, or the lowest recent one), then it halves; at one
+//! rebuild in flight a pause before each rebuild doubles instead (5..500 ms). On the
 //! members, recovery messages go to their own queue served by `node-rshard-N` threads that
 //! stand aside while client shard ops wait, so a client op never queues behind recovery.
 
@@ -59,8 +60,13 @@ const WINDOW_MAX: usize = RECOVERY_THREADS;
 const WINDOW_START: usize = 4;
 /// The controller's period.
 pub const TICK: Duration = Duration::from_millis(200);
-/// Client latency above this multiple of the baseline halves the window.
-const LATENCY_RISE: f64 = 2.0;
+/// Client latency (p90 of a tick) above this multiple of the baseline halves the window.
+const LATENCY_RISE: f64 = 1.5;
+/// Client latencies kept per tick for the p90.
+const LATENCY_SAMPLES_MAX: usize = 4096;
+/// Range of the pause before each rebuild when one in flight is still too many.
+const PAUSE_MS_MIN: u64 = 5;
+const PAUSE_MS_MAX: u64 = 500;
 /// ... and only if it is at least this much above it (noise on a quiet node).
 const LATENCY_RISE_FLOOR_US: f64 = 1000.0;
 /// Ticks of client latency means kept for the fallback baseline (their minimum).
@@ -161,14 +167,16 @@ struct Item {
 #[derive(Default)]
 struct Control {
     window: usize,
+    /// Pause before each rebuild once the window is down to one and clients still suffer.
+    pause_ms: u64,
     inflight: usize,
 }
 
 #[derive(Default)]
 struct Latency {
-    sum_us: f64,
-    count: u64,
-    /// Mean while recovery was idle (EWMA).
+    /// This tick's client-op latencies (at most `LATENCY_SAMPLES_MAX`).
+    samples: Vec<f64>,
+    /// p90 while recovery was idle (EWMA).
     idle_baseline_us: Option<f64>,
     history: VecDeque<f64>,
 }
@@ -203,6 +211,7 @@ impl Default for Recovery {
             items: WaitQueue::new(),
             ctl: Mutex::new(Control {
                 window: WINDOW_START,
+                pause_ms: 0,
                 inflight: 0,
             }),
             ctl_cv: Condvar::new(),
@@ -229,8 +238,9 @@ impl Recovery {
     /// A client op finished after `d` (from its arrival).
     pub fn client_latency(&self, d: Duration) {
         let mut l = self.lat.lock().unwrap();
-        l.sum_us += d.as_secs_f64() * 1e6;
-        l.count += 1;
+        if l.samples.len() < LATENCY_SAMPLES_MAX {
+            l.samples.push(d.as_secs_f64() * 1e6);
+        }
     }
 
     pub fn stats(&self) -> RecoveryStats {
@@ -255,9 +265,8 @@ impl Recovery {
         let busy = self.objects_left.load(Relaxed) > 0;
         let mean = {
             let mut l = self.lat.lock().unwrap();
-            let mean = (l.count > 0).then(|| l.sum_us / l.count as f64);
-            l.sum_us = 0.0;
-            l.count = 0;
+            let mean = p90(&mut l.samples);
+            l.samples.clear();
             if let Some(m) = mean {
                 if !busy {
                     l.idle_baseline_us = Some(l.idle_baseline_us.map_or(m, |b| 0.8 * b + 0.2 * m));
@@ -271,7 +280,7 @@ impl Recovery {
             mean.map(|m| (m, l.idle_baseline_us.unwrap_or(lowest)))
         };
         let mut c = self.ctl.lock().unwrap();
-        c.window = next_window(c.window, mean);
+        (c.window, c.pause_ms) = next_window((c.window, c.pause_ms), mean);
         drop(c);
         self.ctl_cv.notify_all();
     }
@@ -282,6 +291,11 @@ impl Recovery {
             c = self.ctl_cv.wait(c).unwrap();
         }
         c.inflight += 1;
+        let pause = c.pause_ms;
+        drop(c);
+        if pause > 0 {
+            std::thread::sleep(Duration::from_millis(pause));
+        }
     }
 
     fn release(&self) {
@@ -290,13 +304,37 @@ impl Recovery {
     }
 }
 
-/// AIMD: `mean` is (this tick's client latency, baseline) in µs, `None` with no client ops.
-fn next_window(window: usize, mean: Option<(f64, f64)>) -> usize {
-    match mean {
+/// The 90th percentile of some samples (reordered), `None` when there are none.
+fn p90(v: &mut [f64]) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    let i = (v.len() * 9 / 10).min(v.len() - 1);
+    Some(*v.select_nth_unstable_by(i, |a, b| a.total_cmp(b)).1)
+}
+
+/// AIMD on (window, pause ms): `lat` is (this tick's client p90, baseline) in µs, `None`
+/// with no client ops. A rise halves the window; at one rebuild in flight it doubles a pause
+/// before each rebuild instead. Otherwise the pause halves away first, then the window grows
+/// by one.
+fn next_window((window, pause_ms): (usize, u64), lat: Option<(f64, f64)>) -> (usize, u64) {
+    match lat {
         Some((m, base)) if m > base * LATENCY_RISE && m > base + LATENCY_RISE_FLOOR_US => {
-            (window / 2).max(WINDOW_MIN)
+            if window > WINDOW_MIN {
+                ((window / 2).max(WINDOW_MIN), pause_ms)
+            } else {
+                (WINDOW_MIN, (pause_ms * 2).clamp(PAUSE_MS_MIN, PAUSE_MS_MAX))
+            }
         }
-        _ => (window + 1).min(WINDOW_MAX),
+        _ if pause_ms > 0 => (
+            window,
+            if pause_ms / 2 < PAUSE_MS_MIN {
+                0
+            } else {
+                pause_ms / 2
+            },
+        ),
+        _ => ((window + 1).min(WINDOW_MAX), 0),
     }
 }
 
@@ -1259,23 +1297,34 @@ mod tests {
     }
 
     #[test]
-    fn window_grows_additively_and_halves_on_latency_rise() {
-        let mut w = WINDOW_START;
+    fn window_grows_additively_halves_on_latency_rise_then_pauses() {
+        let mut w = (WINDOW_START, 0);
         w = next_window(w, None);
-        assert_eq!(w, WINDOW_START + 1);
-        w = next_window(w, Some((1500.0, 1000.0)));
-        assert_eq!(w, WINDOW_START + 2, "1.5x the baseline is fine");
+        assert_eq!(w, (WINDOW_START + 1, 0));
+        w = next_window(w, Some((1400.0, 1000.0)));
+        assert_eq!(w, (WINDOW_START + 2, 0), "1.4x the baseline is fine");
         w = next_window(w, Some((5000.0, 1000.0)));
-        assert_eq!(w, (WINDOW_START + 2) / 2);
+        assert_eq!(w, ((WINDOW_START + 2) / 2, 0));
         // A rise of less than the floor on a very fast baseline is noise.
-        assert_eq!(next_window(4, Some((300.0, 100.0))), 5);
+        assert_eq!(next_window((4, 0), Some((300.0, 100.0))), (5, 0));
         for _ in 0..100 {
             w = next_window(w, None);
         }
-        assert_eq!(w, WINDOW_MAX);
+        assert_eq!(w, (WINDOW_MAX, 0));
         for _ in 0..100 {
             w = next_window(w, Some((1e6, 10.0)));
         }
-        assert_eq!(w, WINDOW_MIN);
+        assert_eq!(w, (WINDOW_MIN, PAUSE_MS_MAX), "one in flight, then paced");
+        // Recovery comes back: the pause halves away before the window grows.
+        let mut steps = 0;
+        while w.1 > 0 {
+            w = next_window(w, None);
+            steps += 1;
+        }
+        assert!(steps <= 8 && w == (WINDOW_MIN, 0), "{steps} {w:?}");
+        assert_eq!(next_window(w, None), (WINDOW_MIN + 1, 0));
+        let mut v = vec![5.0, 1.0, 9.0, 3.0, 7.0, 2.0, 8.0, 4.0, 6.0, 10.0];
+        assert_eq!(p90(&mut v), Some(10.0));
+        assert_eq!(p90(&mut []), None);
     }
 }
