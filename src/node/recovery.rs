@@ -138,6 +138,9 @@ impl RecoveryStats {
     }
 }
 
+/// Per up slot: object name → (version, size, deleted) of that slot's shard on its member.
+type MemberLists = HashMap<usize, HashMap<Vec<u8>, (u64, u64, bool)>>;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Path {
     Delta,
@@ -747,13 +750,8 @@ impl Node {
 
     /// Every shard of the PG each up slot's member holds: slot → name → (version, size,
     /// deleted) of the shard of that slot.
-    fn list_members(
-        &self,
-        ctx: &Ctx,
-        up: &[usize],
-    ) -> Result<HashMap<usize, HashMap<Vec<u8>, (u64, u64, bool)>>> {
-        let mut out: HashMap<usize, HashMap<Vec<u8>, (u64, u64, bool)>> =
-            up.iter().map(|s| (*s, HashMap::new())).collect();
+    fn list_members(&self, ctx: &Ctx, up: &[usize]) -> Result<MemberLists> {
+        let mut out: MemberLists = up.iter().map(|s| (*s, HashMap::new())).collect();
         let mut after: HashMap<usize, Vec<u8>> = up.iter().map(|s| (*s, Vec::new())).collect();
         while !after.is_empty() {
             let reqs = after
@@ -934,11 +932,7 @@ fn plan_delta(logs: &HashMap<usize, LogInfo>, up: &[usize]) -> (BTreeSet<Vec<u8>
 }
 
 /// Objects whose newest version a backfill slot does not hold, with estimated shard bytes.
-fn plan_backfill(
-    ctx: &Ctx,
-    lists: &HashMap<usize, HashMap<Vec<u8>, (u64, u64, bool)>>,
-    slots: &[usize],
-) -> Vec<(Vec<u8>, (Path, u64))> {
+fn plan_backfill(ctx: &Ctx, lists: &MemberLists, slots: &[usize]) -> Vec<(Vec<u8>, (Path, u64))> {
     let mut top: HashMap<&[u8], (u64, u64, bool)> = HashMap::new();
     for l in lists.values() {
         for (name, v) in l {
@@ -954,7 +948,7 @@ fn plan_backfill(
             .iter()
             .copied()
             .filter(|s| lists[s].get(name).map(|v| v.0) != Some(version))
-            .filter(|s| !(deleted && !lists[s].contains_key(name)))
+            .filter(|s| !deleted || lists[s].contains_key(name))
             .collect();
         if !behind.is_empty() {
             let bytes = behind.iter().map(|s| ctx.clip(*s, size)).sum();
