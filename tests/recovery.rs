@@ -184,7 +184,8 @@ fn a_node_marked_out_is_rebuilt_on_new_members_and_redundancy_is_restored() {
                 objects[i].1.resize(end, 0);
             }
             objects[i].1[at..end].copy_from_slice(&patch);
-            c.write(pool, objects[i].0.as_bytes(), at as u64, &patch).unwrap();
+            c.write(pool, objects[i].0.as_bytes(), at as u64, &patch)
+                .unwrap();
         }
     }
     let low = (affected - raced.len()) as u64;

@@ -25,10 +25,11 @@
 //! or past that version skips it). Afterwards `resolve` sees the slots current.
 //!
 //! **Rate.** The number of object rebuilds in flight (the window) follows AIMD on this node's
-//! client-op latency: every [`TICK`], with no client ops it grows by one; with client ops it
-//! grows by one unless their p90 latency exceeds [`LATENCY_RISE`] × the baseline (the p90
+//! client-op latency: every [`TICK`], with no client ops it goes to the maximum; with client
+//! ops it grows by one unless their p90 latency exceeds [`LATENCY_RISE`] × the baseline (the p90
 //! measured while recovery was idle, or the lowest recent one), then it halves; at one
-//! rebuild in flight a pause before each rebuild doubles instead (5..500 ms). On the
+//! rebuild in flight a pause before each rebuild doubles instead (5..500 ms). With nothing to
+//! rebuild it rests at [`WINDOW_START`]. On the
 //! members, recovery messages go to their own queue served by `node-rshard-N` threads that
 //! stand aside while client shard ops wait, so a client op never queues behind recovery.
 
@@ -57,7 +58,7 @@ pub const RECOVERY_THREADS: usize = 16;
 pub const RECOVERY_SHARD_THREADS: usize = 4;
 const WINDOW_MIN: usize = 1;
 const WINDOW_MAX: usize = RECOVERY_THREADS;
-const WINDOW_START: usize = 4;
+pub const WINDOW_START: usize = 4;
 /// The controller's period.
 pub const TICK: Duration = Duration::from_millis(200);
 /// Client latency (p90 of a tick) above this multiple of the baseline halves the window.
@@ -283,7 +284,13 @@ impl Recovery {
             mean.map(|m| (m, l.idle_baseline_us.unwrap_or(lowest)))
         };
         let mut c = self.ctl.lock().unwrap();
-        (c.window, c.pause_ms) = next_window((c.window, c.pause_ms), mean);
+        (c.window, c.pause_ms) = if busy {
+            next_window((c.window, c.pause_ms), mean)
+        } else {
+            // Nothing to rebuild: the next recovery starts from the start, not from whatever
+            // an idle cluster grew the window to.
+            (WINDOW_START, 0)
+        };
         drop(c);
         self.ctl_cv.notify_all();
     }
@@ -317,9 +324,9 @@ fn p90(v: &mut [f64]) -> Option<f64> {
 }
 
 /// AIMD on (window, pause ms): `lat` is (this tick's client p90, baseline) in µs, `None`
-/// with no client ops. A rise halves the window; at one rebuild in flight it doubles a pause
-/// before each rebuild instead. Otherwise the pause halves away first, then the window grows
-/// by one.
+/// with no client ops. No clients: everything (the largest window, no pause). A rise halves
+/// the window; at one rebuild in flight it doubles a pause before each rebuild instead.
+/// Otherwise the pause halves away first, then the window grows by one.
 fn next_window((window, pause_ms): (usize, u64), lat: Option<(f64, f64)>) -> (usize, u64) {
     match lat {
         Some((m, base)) if m > base * LATENCY_RISE && m > base + LATENCY_RISE_FLOOR_US => {
@@ -329,6 +336,7 @@ fn next_window((window, pause_ms): (usize, u64), lat: Option<(f64, f64)>) -> (us
                 (WINDOW_MIN, (pause_ms * 2).clamp(PAUSE_MS_MIN, PAUSE_MS_MAX))
             }
         }
+        None => (WINDOW_MAX, 0),
         _ if pause_ms > 0 => (
             window,
             if pause_ms / 2 < PAUSE_MS_MIN {
@@ -1293,7 +1301,7 @@ mod tests {
     #[test]
     fn window_grows_additively_halves_on_latency_rise_then_pauses() {
         let mut w = (WINDOW_START, 0);
-        w = next_window(w, None);
+        w = next_window(w, Some((900.0, 1000.0)));
         assert_eq!(w, (WINDOW_START + 1, 0));
         w = next_window(w, Some((1400.0, 1000.0)));
         assert_eq!(w, (WINDOW_START + 2, 0), "1.4x the baseline is fine");
@@ -1301,22 +1309,21 @@ mod tests {
         assert_eq!(w, ((WINDOW_START + 2) / 2, 0));
         // A rise of less than the floor on a very fast baseline is noise.
         assert_eq!(next_window((4, 0), Some((300.0, 100.0))), (5, 0));
-        for _ in 0..100 {
-            w = next_window(w, None);
-        }
+        // No clients at all: take everything.
+        w = next_window(w, None);
         assert_eq!(w, (WINDOW_MAX, 0));
         for _ in 0..100 {
             w = next_window(w, Some((1e6, 10.0)));
         }
         assert_eq!(w, (WINDOW_MIN, PAUSE_MS_MAX), "one in flight, then paced");
-        // Recovery comes back: the pause halves away before the window grows.
+        // Clients are fine again: the pause halves away before the window grows.
         let mut steps = 0;
         while w.1 > 0 {
-            w = next_window(w, None);
+            w = next_window(w, Some((10.0, 10.0)));
             steps += 1;
         }
         assert!(steps <= 8 && w == (WINDOW_MIN, 0), "{steps} {w:?}");
-        assert_eq!(next_window(w, None), (WINDOW_MIN + 1, 0));
+        assert_eq!(next_window(w, Some((10.0, 10.0))), (WINDOW_MIN + 1, 0));
         let mut v = vec![5.0, 1.0, 9.0, 3.0, 7.0, 2.0, 8.0, 4.0, 6.0, 10.0];
         assert_eq!(p90(&mut v), Some(10.0));
         assert_eq!(p90(&mut []), None);
