@@ -47,6 +47,8 @@ const RAW_CHUNK_BYTES: usize = 1 << 20;
 const RAW_THREADS: usize = 8;
 /// O_DIRECT buffer alignment.
 const RAW_ALIGN_BYTES: usize = 4096;
+/// Client errors printed per phase (all are counted).
+const ERRORS_SHOWN_MAX: u64 = 5;
 /// Object puts in flight while filling.
 const FILL_THREADS: usize = 8;
 
@@ -339,8 +341,10 @@ fn load(
                 Ok(_) => {
                     let _ = hist.lock().unwrap().record(us.max(1));
                 }
-                Err(_) => {
-                    errors.fetch_add(1, Relaxed);
+                Err(e) => {
+                    if errors.fetch_add(1, Relaxed) < ERRORS_SHOWN_MAX {
+                        eprintln!("client read error: obj-{i} at {off}: {e}");
+                    }
                 }
             }
         }
