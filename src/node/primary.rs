@@ -554,6 +554,19 @@ impl Node {
                         message,
                     })
                 }
+                // A member with a newer map says this node no longer leads the PG (a node
+                // went out or in): the client must retry at the new primary, not read around.
+                Err(Error::FetchFailed(_, e))
+                    if matches!(
+                        *e,
+                        Error::Remote {
+                            status: Status::StaleEpoch,
+                            ..
+                        }
+                    ) =>
+                {
+                    return Err(*e)
+                }
                 Err(Error::FetchFailed(slot, _)) if excluded & bit(slot) == 0 => {
                     excluded |= bit(slot)
                 }
