@@ -21,4 +21,6 @@ pub mod monclient;
 pub mod monitor;
 pub mod node;
 pub mod ops;
+pub mod optrack;
+pub mod prom;
 pub mod queue;
