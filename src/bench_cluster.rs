@@ -130,7 +130,8 @@ pub fn bench(
                     stop.clone(),
                     payload.clone(),
                 );
-                s.spawn(move || {
+                let named = std::thread::Builder::new().name(format!("bench-client-{t}"));
+                named.spawn_scoped(s, move || {
                     let mut h =
                         Histogram::<u64>::new_with_bounds(1, 600_000_000, 3).expect("bounds");
                     let mut rng = rand::rngs::SmallRng::seed_from_u64(t as u64);
@@ -169,6 +170,7 @@ pub fn bench(
                     }
                     h
                 })
+                .expect("spawn a benchmark client thread")
             })
             .collect();
         let deadline = t0 + Duration::from_secs(seconds);

@@ -1,5 +1,6 @@
 //! nvstore: node, client, cluster map and the command-line interface.
 
+pub mod admin;
 pub mod bench;
 pub mod cli;
 pub mod device;

@@ -38,8 +38,8 @@ pub const NO_SHARD: u8 = u8::MAX;
 pub enum Ev {
     /// The messenger handed the message to the node (on the connection's worker).
     Received,
-    /// The connection had stopped reading for throttle capacity before this message; the
-    /// event's offset is how long that wait was (it happened before `received`).
+    /// The connection had stopped reading for throttle capacity before this message (the
+    /// wait ended as it was received: offset 0; its length is the op's `throttled_ms`).
     Throttled,
     /// Put on its PG's queue (client ops) or the shard queue (shard ops).
     Queued,
@@ -117,6 +117,7 @@ pub struct TrackedOp {
     start: Instant,
     start_unix_ms: u64,
     desc: OpDesc,
+    throttled: Option<Duration>,
     tl: Mutex<Timeline>,
 }
 
@@ -154,6 +155,7 @@ impl TrackedOp {
             duration_ms: duration.as_secs_f64() * 1e3,
             in_flight,
             status: status.map(str::to_string),
+            throttled_ms: self.throttled.map(|d| d.as_secs_f64() * 1e3),
             events: t.events[..t.len]
                 .iter()
                 .map(|e| SlowEvent {
@@ -194,6 +196,9 @@ pub struct SlowOp {
     /// The reply's status ("ok" or the error); absent while in flight.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub status: Option<String>,
+    /// How long its connection waited for throttle capacity before it was received.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub throttled_ms: Option<f64>,
     pub events: Vec<SlowEvent>,
     pub events_dropped: u32,
 }
@@ -281,6 +286,7 @@ impl OpTracker {
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_millis() as u64),
             desc,
+            throttled,
             tl: Mutex::new(Timeline {
                 events: [EvRec {
                     ev: Ev::Received,
@@ -291,8 +297,8 @@ impl OpTracker {
                 dropped: 0,
             }),
         });
-        if let Some(w) = throttled {
-            op.event_at(Ev::Throttled, NO_SHARD, w.as_nanos() as u64);
+        if throttled.is_some() {
+            op.event_at(Ev::Throttled, NO_SHARD, 0);
         }
         self.inflight[id as usize % INFLIGHT_SHARDS]
             .lock()
@@ -449,6 +455,8 @@ mod tests {
         );
         assert_eq!(h.events[3].shard, Some(2));
         assert!(h.duration_ms >= 20.0);
+        assert_eq!(h.throttled_ms, Some(3.0));
+        assert!(h.events.windows(2).all(|w| w[0].offset_ms <= w[1].offset_ms));
         assert_eq!(t.health().0, 1);
     }
 

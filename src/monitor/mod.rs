@@ -504,7 +504,12 @@ pub fn start(cfg: MonitorConfig) -> Result<Arc<Monitor>> {
         .map_err(|e| Error::io(format!("monitor data dir {}", cfg.data_dir.display()), e))?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
-        .thread_name("mon-raft")
+        .thread_name_fn(|| {
+            // Numbered so `top -H` tells the runtime's threads apart.
+            static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            format!("mon-raft-{n}")
+        })
         .enable_all()
         .build()
         .map_err(|e| Error::io("tokio runtime", e))?;
