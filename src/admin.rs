@@ -22,7 +22,10 @@ impl Client {
             let ids: Vec<u32> = map.nodes.keys().copied().collect();
             Error::remote(
                 Status::Invalid,
-                format!("no node {node} in the map at epoch {} (nodes: {ids:?})", map.epoch),
+                format!(
+                    "no node {node} in the map at epoch {} (nodes: {ids:?})",
+                    map.epoch
+                ),
             )
         })?;
         if !n.up {

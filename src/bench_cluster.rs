@@ -131,46 +131,47 @@ pub fn bench(
                     payload.clone(),
                 );
                 let named = std::thread::Builder::new().name(format!("bench-client-{t}"));
-                named.spawn_scoped(s, move || {
-                    let mut h =
-                        Histogram::<u64>::new_with_bounds(1, 600_000_000, 3).expect("bounds");
-                    let mut rng = rand::rngs::SmallRng::seed_from_u64(t as u64);
-                    while !stop.load(Relaxed) {
-                        let i = match mode {
-                            Mode::Write => next.fetch_add(1, Relaxed),
-                            Mode::Seq => next.fetch_add(1, Relaxed) % existing,
-                            Mode::Rand => rng.gen_range(0..existing),
-                        };
-                        let name = obj_name(size, i);
-                        let t = Instant::now();
-                        let r = match mode {
-                            Mode::Write => c.put(pool, name.as_bytes(), &payload).map(|_| ()),
-                            _ => c.get(pool, name.as_bytes()).and_then(|d| {
-                                if d.len() as u64 == size {
-                                    Ok(())
-                                } else {
-                                    Err(crate::Error::Malformed(format!(
-                                        "{name}: {} bytes",
-                                        d.len()
-                                    )))
+                named
+                    .spawn_scoped(s, move || {
+                        let mut h =
+                            Histogram::<u64>::new_with_bounds(1, 600_000_000, 3).expect("bounds");
+                        let mut rng = rand::rngs::SmallRng::seed_from_u64(t as u64);
+                        while !stop.load(Relaxed) {
+                            let i = match mode {
+                                Mode::Write => next.fetch_add(1, Relaxed),
+                                Mode::Seq => next.fetch_add(1, Relaxed) % existing,
+                                Mode::Rand => rng.gen_range(0..existing),
+                            };
+                            let name = obj_name(size, i);
+                            let t = Instant::now();
+                            let r = match mode {
+                                Mode::Write => c.put(pool, name.as_bytes(), &payload).map(|_| ()),
+                                _ => c.get(pool, name.as_bytes()).and_then(|d| {
+                                    if d.len() as u64 == size {
+                                        Ok(())
+                                    } else {
+                                        Err(crate::Error::Malformed(format!(
+                                            "{name}: {} bytes",
+                                            d.len()
+                                        )))
+                                    }
+                                }),
+                            };
+                            match r {
+                                Ok(()) => {
+                                    let _ = h.record(t.elapsed().as_micros().max(1) as u64);
+                                    done.fetch_add(1, Relaxed);
                                 }
-                            }),
-                        };
-                        match r {
-                            Ok(()) => {
-                                let _ = h.record(t.elapsed().as_micros().max(1) as u64);
-                                done.fetch_add(1, Relaxed);
-                            }
-                            Err(e) => {
-                                if errors.fetch_add(1, Relaxed) < 3 {
-                                    eprintln!("bench: {name}: {e}");
+                                Err(e) => {
+                                    if errors.fetch_add(1, Relaxed) < 3 {
+                                        eprintln!("bench: {name}: {e}");
+                                    }
                                 }
                             }
                         }
-                    }
-                    h
-                })
-                .expect("spawn a benchmark client thread")
+                        h
+                    })
+                    .expect("spawn a benchmark client thread")
             })
             .collect();
         let deadline = t0 + Duration::from_secs(seconds);

@@ -456,7 +456,10 @@ mod tests {
         assert_eq!(h.events[3].shard, Some(2));
         assert!(h.duration_ms >= 20.0);
         assert_eq!(h.throttled_ms, Some(3.0));
-        assert!(h.events.windows(2).all(|w| w[0].offset_ms <= w[1].offset_ms));
+        assert!(h
+            .events
+            .windows(2)
+            .all(|w| w[0].offset_ms <= w[1].offset_ms));
         assert_eq!(t.health().0, 1);
     }
 

@@ -303,7 +303,7 @@ impl Node {
             (b.0, b.1.clone())
         };
         let mut root = Map::new();
-        root.insert("node".into(), json!(self.id));
+        root.insert("node_id".into(), json!(self.id));
         root.insert("reset_unix_ms".into(), json!(reset_ms));
         // Every group a subsystem may register is present, even before it has counters.
         root.insert("recovery".into(), json!({}));
@@ -314,11 +314,13 @@ impl Node {
                     .saturating_sub(base.get(&key(s)).copied().unwrap_or(0)),
                 Kind::Gauge => s.value,
             };
-            let g = root
+            let Some(g) = root
                 .entry(s.group)
                 .or_insert_with(|| json!({}))
                 .as_object_mut()
-                .expect("groups are objects");
+            else {
+                continue; // a group named like a top-level field: not one of ours
+            };
             match &s.label {
                 None => {
                     g.insert(s.name.into(), json!(v));

@@ -717,6 +717,8 @@ impl Node {
             }
         }
         let with_staged = |d: &[u8]| -> Vec<u8> {
+            let bytes = staged.map_or(0, <[u8]>::len) + d.len();
+            self.counters.write_bytes.fetch_add(bytes as u64, Relaxed);
             match staged {
                 Some(s) => [s, d].concat(),
                 None => d.to_vec(),
