@@ -99,8 +99,8 @@ pub struct NodeConfig {
     /// node processes may share few cores.
     #[serde(default = "default_busy_poll_us")]
     pub busy_poll_us: u64,
-    /// An op slower than this is a slow op: kept for `nvstore slow-ops` and warned about in
-    /// health.
+    /// An op that takes at least this long is a slow op: kept for `nvstore slow-ops` and
+    /// warned about in health. 0 records every op (debugging).
     #[serde(default = "default_slow_op_ms")]
     pub slow_op_ms: u64,
     /// Serve Prometheus metrics (`GET /metrics`) here; off when unset.

@@ -264,8 +264,9 @@ fn counters_slow_ops_metrics_and_thread_names() {
         monitors: 1,
         device_bytes: 256 << 20,
         heartbeat_ms: 300,
-        // Every op that takes a millisecond is slow: the slow-op path runs for real.
-        slow_op_ms: 1,
+        // Every op counts as slow (a threshold of 0): the slow-op path runs for every op, so
+        // the test does not depend on how fast this machine is.
+        slow_op_ms: 0,
         ..LocalOptions::default()
     });
     let c = &h.client;
@@ -292,7 +293,7 @@ fn counters_slow_ops_metrics_and_thread_names() {
         assert!(d["messenger"]["by_worker"]["0"]["iterations"].is_u64());
         assert!(d["throttle"]["by_class"]["client"]["acquired"].is_u64());
         assert!(d["recovery"].is_object());
-        assert_eq!(u(d, "ops.slow_threshold_ms"), 1);
+        assert_eq!(u(d, "ops.slow_threshold_ms"), 0);
     }
 
     // perf reset zeroes counters, keeps gauges.
@@ -321,7 +322,7 @@ fn counters_slow_ops_metrics_and_thread_names() {
     let mut client_ops = Vec::new();
     for n in 1..=NODES {
         let r = c.slow_ops(n).unwrap();
-        assert_eq!(u(&r, "threshold_ms"), 1);
+        assert_eq!(u(&r, "threshold_ms"), 0);
         assert!(u(&r, "slow_total") > 0, "{r:#}");
         for op in r["history"].as_array().unwrap() {
             let evs: Vec<&str> = op["events"]
@@ -338,7 +339,7 @@ fn counters_slow_ops_metrics_and_thread_names() {
                 .collect();
             assert!(offs.windows(2).all(|w| w[0] <= w[1]), "{op:#}");
             assert_eq!(evs[0], "received", "{op:#}");
-            assert!(op["duration_ms"].as_f64().unwrap() >= 1.0);
+            assert!(op["duration_ms"].as_f64().unwrap() > 0.0);
             if op["events_dropped"] == 0 {
                 assert_eq!(*evs.last().unwrap(), "replied", "{op:#}");
             }
@@ -405,7 +406,7 @@ fn counters_slow_ops_metrics_and_thread_names() {
     assert_eq!(s0.types["nvstore_driver_queue_depth"], "gauge");
     assert_eq!(
         s0.get("nvstore_ops_slow_threshold_ms", &[("node", "1")]),
-        [1.0]
+        [0.0]
     );
     assert!(!s0
         .get(
