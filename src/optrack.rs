@@ -473,8 +473,8 @@ mod tests {
         t.finish(&op, "ok");
         let r = t.report(1);
         assert_eq!(r.history[0].events.len(), EVENTS_MAX);
-        // Received + the sends that fit, then 5 sends and the reply fell off.
-        assert_eq!(r.history[0].events_dropped, 6);
+        // Received and the first EVENTS_MAX - 1 sends fit; 6 sends and the reply fell off.
+        assert_eq!(r.history[0].events_dropped, 7);
         for _ in 0..SLOW_HISTORY_MAX + 3 {
             let o = t.begin(desc(), None);
             t.finish(&o, "ok");

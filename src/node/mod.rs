@@ -262,9 +262,9 @@ impl Node {
 
     /// Reply and stop tracking the op.
     fn finish_op(&self, msg: &mut Incoming, op: &Arc<TrackedOp>, r: Result<Vec<SendBuf>>) {
-        let status = match &r {
-            Ok(_) => "ok".to_string(),
-            Err(e) => e.message(),
+        let status: std::borrow::Cow<'static, str> = match &r {
+            Ok(_) => "ok".into(),
+            Err(e) => e.message().into(),
         };
         self.reply_parts(msg, r);
         self.perf.ops.finish(op, &status);
