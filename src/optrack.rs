@@ -482,4 +482,41 @@ mod tests {
         assert_eq!(t.report(1).history.len(), SLOW_HISTORY_MAX);
         assert_eq!(t.totals().1, SLOW_HISTORY_MAX as u64 + 4);
     }
+
+    /// Cost of tracking one op (begin, current-op guard, 10 events, finish): a measurement,
+    /// not a check. `cargo test --lib optrack::tests::tracker_cost -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn tracker_cost() {
+        const OPS: usize = 100_000;
+        let t = std::sync::Arc::new(OpTracker::new(Duration::from_secs(5)));
+        let one_round = |t: &OpTracker| {
+            let start = Instant::now();
+            for _ in 0..OPS {
+                let op = t.begin(desc(), None);
+                let _g = CurrentGuard::set(&op);
+                for s in 0..5u8 {
+                    event(Ev::SubOpSent, s);
+                    event(Ev::SubOpAcked, s);
+                }
+                t.finish(&op, "ok");
+            }
+            start.elapsed().as_nanos() as f64 / OPS as f64
+        };
+        for threads in [1usize, 4] {
+            let mut rounds: Vec<f64> = (0..5)
+                .map(|_| {
+                    std::thread::scope(|s| {
+                        let hs: Vec<_> = (0..threads).map(|_| s.spawn(|| one_round(&t))).collect();
+                        hs.into_iter().map(|h| h.join().unwrap()).sum::<f64>() / threads as f64
+                    })
+                })
+                .collect();
+            rounds.sort_by(f64::total_cmp);
+            println!(
+                "{threads} thread(s): median {:.0} ns per tracked op",
+                rounds[2]
+            );
+        }
+    }
 }
