@@ -133,91 +133,36 @@ pub fn render(samples: &[Sample], common: &[(&str, String)]) -> String {
 /// A messenger's counters: per worker, per throttle class, and the buffer pool.
 pub fn messenger_samples(m: &MessengerStats, out: &mut Samples) {
     use Kind::{Counter as C, Gauge as G};
-    type WorkerField = (
-        &'static str,
-        &'static str,
-        Kind,
-        fn(&messenger::WorkerStats) -> u64,
-    );
-    const W: &[WorkerField] = &[
-        (
-            "iterations",
-            "Event-loop passes that slept or found work",
-            C,
-            |w| w.iterations,
-        ),
-        (
-            "empty_iterations",
-            "Passes that woke from a sleep and found nothing to do",
-            C,
-            |w| w.empty_iterations,
-        ),
-        ("sleeps", "Blocking waits of the event loop", C, |w| {
-            w.sleeps
-        }),
-        (
-            "busy_poll_spins",
-            "Zero-timeout polls in the busy-poll window that found nothing",
-            C,
-            |w| w.busy_poll_spins,
-        ),
-        ("busy_poll_ns", "Nanoseconds spent in those polls", C, |w| {
-            w.busy_poll_ns
-        }),
-        ("wake_io", "Passes with socket events", C, |w| w.wake_io),
-        (
-            "wake_mailbox",
-            "Passes with commands from other threads",
-            C,
-            |w| w.wake_mailbox,
-        ),
-        ("wake_timer", "Passes that fired timers", C, |w| {
-            w.wake_timer
-        }),
-        ("frames_in", "Frames received", C, |w| w.frames_in),
-        ("frames_out", "Frames sent", C, |w| w.frames_out),
-        ("bytes_in", "Bytes received", C, |w| w.bytes_in),
-        ("bytes_out", "Bytes sent", C, |w| w.bytes_out),
-        ("conns_open", "Connections open on the worker", G, |w| {
-            w.conns_open
-        }),
-        ("conns_accepted", "Connections accepted", C, |w| {
-            w.conns_accepted
-        }),
-        (
-            "protocol_errors",
-            "Connections closed for breaking the protocol",
-            C,
-            |w| w.protocol_errors,
-        ),
-        (
-            "auth_failures",
-            "Handshakes that failed authentication",
-            C,
-            |w| w.auth_failures,
-        ),
-        (
-            "late_replies",
-            "Replies that arrived after their request timed out",
-            C,
-            |w| w.late_replies,
-        ),
-        (
-            "reconnects",
-            "Reconnections of outgoing connections",
-            C,
-            |w| w.reconnects,
-        ),
-    ];
     for (i, w) in m.workers.iter().enumerate() {
-        for (name, help, kind, f) in W {
+        #[rustfmt::skip]
+        let rows: [(&'static str, Kind, u64, &'static str); 18] = [
+            ("iterations", C, w.iterations, "Event-loop passes that slept or found work"),
+            ("empty_iterations", C, w.empty_iterations, "Passes that woke and found nothing to do"),
+            ("sleeps", C, w.sleeps, "Blocking waits of the event loop"),
+            ("busy_poll_spins", C, w.busy_poll_spins, "Busy-poll passes that found nothing"),
+            ("busy_poll_ns", C, w.busy_poll_ns, "Nanoseconds spent busy-polling"),
+            ("wake_io", C, w.wake_io, "Passes with socket events"),
+            ("wake_mailbox", C, w.wake_mailbox, "Passes with commands from other threads"),
+            ("wake_timer", C, w.wake_timer, "Passes that fired timers"),
+            ("frames_in", C, w.frames_in, "Frames received"),
+            ("frames_out", C, w.frames_out, "Frames sent"),
+            ("bytes_in", C, w.bytes_in, "Bytes received"),
+            ("bytes_out", C, w.bytes_out, "Bytes sent"),
+            ("conns_open", G, w.conns_open, "Connections open on the worker"),
+            ("conns_accepted", C, w.conns_accepted, "Connections accepted"),
+            ("protocol_errors", C, w.protocol_errors, "Connections closed for protocol errors"),
+            ("auth_failures", C, w.auth_failures, "Handshakes that failed authentication"),
+            ("late_replies", C, w.late_replies, "Replies after their request timed out"),
+            ("reconnects", C, w.reconnects, "Reconnections of outgoing connections"),
+        ];
+        for (name, kind, v, help) in rows {
             out.push(
                 "messenger",
                 name,
                 help,
-                *kind,
+                kind,
                 Some(("worker", i.to_string())),
-                f(w),
+                v,
             );
         }
     }
@@ -226,59 +171,26 @@ pub fn messenger_samples(m: &MessengerStats, out: &mut Samples) {
         ("node", &m.node_throttle),
         ("connection", &m.conn_throttles),
     ] {
-        let l = || Some(("class", class.to_string()));
-        let rows: [(&'static str, &'static str, Kind, u64); 8] = [
-            (
-                "acquired",
-                "Throttle grants, immediate or after a pause",
-                C,
-                t.acquired,
-            ),
-            (
-                "paused",
-                "Times a connection stopped reading at the throttle cap",
-                C,
-                t.paused,
-            ),
-            (
-                "resumed",
-                "Times a paused connection was granted capacity",
-                C,
-                t.resumed,
-            ),
-            (
-                "paused_ns",
-                "Nanoseconds connections spent paused",
-                C,
-                t.paused_ns,
-            ),
-            (
-                "messages_current",
-                "Messages holding throttle capacity now",
-                G,
-                t.messages_current,
-            ),
-            (
-                "bytes_current",
-                "Bytes holding throttle capacity now",
-                G,
-                t.bytes_current,
-            ),
-            (
-                "messages_max",
-                "High-water mark of messages in one throttle",
-                G,
-                t.messages_max,
-            ),
-            (
-                "bytes_max",
-                "High-water mark of bytes in one throttle",
-                G,
-                t.bytes_max,
-            ),
+        #[rustfmt::skip]
+        let rows: [(&'static str, Kind, u64, &'static str); 8] = [
+            ("acquired", C, t.acquired, "Throttle grants, immediate or after a pause"),
+            ("paused", C, t.paused, "Times a connection stopped reading at the cap"),
+            ("resumed", C, t.resumed, "Times a paused connection was granted capacity"),
+            ("paused_ns", C, t.paused_ns, "Nanoseconds connections spent paused"),
+            ("messages_current", G, t.messages_current, "Messages holding capacity now"),
+            ("bytes_current", G, t.bytes_current, "Bytes holding capacity now"),
+            ("messages_max", G, t.messages_max, "High-water mark of messages in one throttle"),
+            ("bytes_max", G, t.bytes_max, "High-water mark of bytes in one throttle"),
         ];
-        for (name, help, kind, v) in rows {
-            out.push("throttle", name, help, kind, l(), v);
+        for (name, kind, v, help) in rows {
+            out.push(
+                "throttle",
+                name,
+                help,
+                kind,
+                Some(("class", class.to_string())),
+                v,
+            );
         }
     }
     let p = &m.pool;

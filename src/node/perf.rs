@@ -32,6 +32,9 @@ pub struct EcCounters {
     pub reconstruct_calls: AtomicU64,
 }
 
+/// (name, kind, value, help) of one sample.
+type Row = (&'static str, Kind, u64, &'static str);
+
 /// Adds a subsystem's samples to a collection.
 pub type PerfSource = Box<dyn Fn(&mut Samples) + Send + Sync>;
 
@@ -88,211 +91,79 @@ impl Node {
         use Kind::{Counter as C, Gauge as G};
         for st in &self.local.stores {
             let dev = store::Uuid(&st.label().device_uuid).to_string();
-            let l = || Some(("device", dev.clone()));
-            let t = st.stats();
-            let sp = st.space();
-            let rows: [(&'static str, &'static str, Kind, u64); 16] = [
-                ("txns", "Store transactions committed", C, t.txns),
-                (
-                    "user_bytes",
-                    "Object data bytes written by users",
-                    C,
-                    t.user_bytes,
-                ),
-                (
-                    "device_bytes_written",
-                    "Bytes written to the device",
-                    C,
-                    t.device_bytes_written,
-                ),
-                (
-                    "commit_rounds",
-                    "Group-commit rounds (durable points)",
-                    C,
-                    t.rounds,
-                ),
-                ("batches", "Log batches written", C, t.batches),
-                ("flushes", "Device cache flushes", C, t.flushes),
-                (
-                    "fua_rounds",
-                    "Rounds made durable by one FUA write",
-                    C,
-                    t.fua_rounds,
-                ),
-                ("checkpoints", "Index checkpoints written", C, t.checkpoints),
-                (
-                    "cleaner_relocated_bytes",
-                    "Bytes the cleaner relocated",
-                    C,
-                    t.relocated_bytes,
-                ),
-                (
-                    "cleaner_segments",
-                    "Segments the cleaner freed",
-                    C,
-                    t.cleaned_segments,
-                ),
-                ("reads", "Store reads", C, t.reads),
-                ("read_bytes", "Bytes read by the store", C, t.read_bytes),
-                (
-                    "corrupt_reads",
-                    "Reads that found a crc mismatch",
-                    C,
-                    t.corrupt_reads,
-                ),
-                ("live_bytes", "Live bytes in the store", G, sp.live_bytes),
-                ("segments_free", "Free segments", G, sp.segments_free),
-                (
-                    "segments_total",
-                    "Segments on the device",
-                    G,
-                    sp.segments_total,
-                ),
+            let (t, sp, io) = (st.stats(), st.space(), st.device().io_stats());
+            #[rustfmt::skip]
+            let store: [Row; 16] = [
+                ("txns", C, t.txns, "Store transactions committed"),
+                ("user_bytes", C, t.user_bytes, "Object data bytes written by users"),
+                ("device_bytes_written", C, t.device_bytes_written, "Bytes written to the device"),
+                ("commit_rounds", C, t.rounds, "Group-commit rounds (durable points)"),
+                ("batches", C, t.batches, "Log batches written"),
+                ("flushes", C, t.flushes, "Device cache flushes"),
+                ("fua_rounds", C, t.fua_rounds, "Rounds made durable by one FUA write"),
+                ("checkpoints", C, t.checkpoints, "Index checkpoints written"),
+                ("cleaner_relocated_bytes", C, t.relocated_bytes, "Bytes the cleaner relocated"),
+                ("cleaner_segments", C, t.cleaned_segments, "Segments the cleaner freed"),
+                ("reads", C, t.reads, "Store reads"),
+                ("read_bytes", C, t.read_bytes, "Bytes read by the store"),
+                ("corrupt_reads", C, t.corrupt_reads, "Reads that found a crc mismatch"),
+                ("live_bytes", G, sp.live_bytes, "Live bytes in the store"),
+                ("segments_free", G, sp.segments_free, "Free segments"),
+                ("segments_total", G, sp.segments_total, "Segments on the device"),
             ];
-            for (name, help, kind, v) in rows {
-                out.push("store", name, help, kind, l(), v);
-            }
-            let io = st.device().io_stats();
-            let rows: [(&'static str, &'static str, Kind, u64); 10] = [
-                ("reads", "Device read commands", C, io.reads),
-                ("writes", "Device write commands", C, io.writes),
-                ("flushes", "Device flush commands", C, io.flushes),
-                (
-                    "other_ios",
-                    "Write-zeroes and deallocate commands",
-                    C,
-                    io.other,
-                ),
-                ("read_bytes", "Bytes read from the device", C, io.read_bytes),
-                (
-                    "write_bytes",
-                    "Bytes written to the device",
-                    C,
-                    io.write_bytes,
-                ),
-                (
-                    "completions",
-                    "Device commands completed",
-                    C,
-                    io.completions,
-                ),
-                ("errors", "Device commands that failed", C, io.errors),
-                (
-                    "queue_depth",
-                    "Device commands in flight now",
-                    G,
-                    io.in_flight,
-                ),
-                (
-                    "queue_depth_max",
-                    "Most device commands in flight at once",
-                    G,
-                    io.in_flight_max,
-                ),
+            #[rustfmt::skip]
+            let driver: [Row; 10] = [
+                ("reads", C, io.reads, "Device read commands"),
+                ("writes", C, io.writes, "Device write commands"),
+                ("flushes", C, io.flushes, "Device flush commands"),
+                ("other_ios", C, io.other, "Write-zeroes and deallocate commands"),
+                ("read_bytes", C, io.read_bytes, "Bytes read from the device"),
+                ("write_bytes", C, io.write_bytes, "Bytes written to the device"),
+                ("completions", C, io.completions, "Device commands completed"),
+                ("errors", C, io.errors, "Device commands that failed"),
+                ("queue_depth", G, io.in_flight, "Device commands in flight now"),
+                ("queue_depth_max", G, io.in_flight_max, "Most device commands in flight at once"),
             ];
-            for (name, help, kind, v) in rows {
-                out.push("driver", name, help, kind, l(), v);
+            for (group, rows) in [("store", &store[..]), ("driver", &driver[..])] {
+                for &(name, kind, v, help) in rows {
+                    out.push(group, name, help, kind, Some(("device", dev.clone())), v);
+                }
             }
         }
     }
 
     fn node_samples(&self, out: &mut Samples) {
-        let c = &self.counters;
-        out.counter(
-            "client",
-            "read_ops",
-            "Client read ops run as primary",
-            c.read_ops.load(Relaxed),
-        );
-        out.counter(
-            "client",
-            "write_ops",
-            "Client write ops run as primary",
-            c.write_ops.load(Relaxed),
-        );
-        out.counter(
-            "client",
-            "read_bytes",
-            "Bytes returned to clients",
-            c.read_bytes.load(Relaxed),
-        );
-        out.counter(
-            "client",
-            "write_bytes",
-            "Bytes clients wrote",
-            c.write_bytes.load(Relaxed),
-        );
-        let e = &self.perf.ec;
-        out.counter(
-            "ec",
-            "encoded_bytes",
-            "Data bytes erasure-encoded in full stripes",
-            e.encoded_bytes.load(Relaxed),
-        );
-        out.counter(
-            "ec",
-            "delta_bytes",
-            "Data bytes applied to parity by delta",
-            e.delta_bytes.load(Relaxed),
-        );
-        out.counter(
-            "ec",
-            "reconstructed_bytes",
-            "Shard bytes rebuilt from surviving shards",
-            e.reconstructed_bytes.load(Relaxed),
-        );
-        out.counter(
-            "ec",
-            "encode_calls",
-            "Stripe encode calls",
-            e.encode_calls.load(Relaxed),
-        );
-        out.counter(
-            "ec",
-            "reconstruct_calls",
-            "Reconstruct calls",
-            e.reconstruct_calls.load(Relaxed),
-        );
-        let (done, slow) = self.perf.ops.totals();
-        let (recent, longest) = self.perf.ops.health();
-        out.counter("ops", "finished", "Client and shard ops answered", done);
-        out.counter("ops", "slow", "Ops slower than slow_op_ms", slow);
-        out.gauge(
-            "ops",
-            "in_flight",
-            "Ops received and not yet answered",
-            self.perf.ops.in_flight(),
-        );
-        out.gauge(
-            "ops",
-            "slow_recent",
-            "Ops slow within the last minute or slow and running",
-            recent,
-        );
-        out.gauge(
-            "ops",
-            "slow_longest_ms",
-            "Longest of those ops, in milliseconds",
-            longest,
-        );
-        out.gauge(
-            "ops",
-            "slow_threshold_ms",
-            "The slow_op_ms setting",
-            self.perf.ops.threshold().as_millis() as u64,
-        );
-        out.gauge(
-            "node",
-            "shards",
-            "Shards stored on this node",
-            self.local.shard_count(),
-        );
-        out.gauge(
-            "node",
-            "uptime_s",
-            "Seconds since the node started",
-            self.perf.started.elapsed().as_secs(),
-        );
+        use Kind::{Counter as C, Gauge as G};
+        let (c, e, ops) = (&self.counters, &self.perf.ec, &self.perf.ops);
+        let (done, slow) = ops.totals();
+        let (recent, longest) = ops.health();
+        let threshold = ops.threshold().as_millis() as u64;
+        #[rustfmt::skip]
+        let rows: [(&'static str, Row); 20] = [
+            ("client", ("read_ops", C, c.read_ops.load(Relaxed), "Client read ops run as primary")),
+            ("client", ("write_ops", C, c.write_ops.load(Relaxed), "Client write ops run as primary")),
+            ("client", ("read_bytes", C, c.read_bytes.load(Relaxed), "Bytes returned to clients")),
+            ("client", ("write_bytes", C, c.write_bytes.load(Relaxed), "Bytes clients wrote")),
+            ("ec", ("encoded_bytes", C, e.encoded_bytes.load(Relaxed), "Data bytes encoded in full stripes")),
+            ("ec", ("delta_bytes", C, e.delta_bytes.load(Relaxed), "Data bytes applied to parity by delta")),
+            ("ec", ("reconstructed_bytes", C, e.reconstructed_bytes.load(Relaxed), "Shard bytes rebuilt")),
+            ("ec", ("encode_calls", C, e.encode_calls.load(Relaxed), "Stripe encode calls")),
+            ("ec", ("reconstruct_calls", C, e.reconstruct_calls.load(Relaxed), "Reconstruct calls")),
+            ("ops", ("finished", C, done, "Client and shard ops answered")),
+            ("ops", ("slow", C, slow, "Ops that took slow_op_ms or longer")),
+            ("ops", ("in_flight", G, ops.in_flight(), "Ops received and not yet answered")),
+            ("ops", ("slow_recent", G, recent, "Ops slow within the last minute, or slow and running")),
+            ("ops", ("slow_longest_ms", G, longest, "Longest of those ops, in milliseconds")),
+            ("ops", ("slow_threshold_ms", G, threshold, "The slow_op_ms setting")),
+            ("node", ("shards", G, self.local.shard_count(), "Shards stored on this node")),
+            ("node", ("uptime_s", G, self.perf.started.elapsed().as_secs(), "Seconds since start")),
+            ("node", ("op_threads", G, self.cfg.op_threads as u64, "Threads running client ops")),
+            ("node", ("shard_threads", G, super::SHARD_THREADS as u64, "Threads running shard ops")),
+            ("node", ("devices", G, self.local.stores.len() as u64, "Devices this node serves")),
+        ];
+        for (group, (name, kind, v, help)) in rows {
+            out.push(group, name, help, kind, None, v);
+        }
     }
 
     /// `perf dump`: counters since the last reset, gauges as they are.
