@@ -256,6 +256,69 @@ fn assert_threads_named(pid: i32, allowed: &[&str]) {
     }
 }
 
+/// Stop (SIGSTOP) a node holding a shard of an object, write the object, and find the write
+/// in the primary's in-flight slow ops with a request to that node's shard unanswered; then
+/// let the node go on and the write completes.
+fn stalled_op_shows_the_shard_it_waits_for(h: &Harness, pool: u64) {
+    const STOPPED: u32 = NODES;
+    let c = &h.client;
+    let map = c.map();
+    let p = &map.pools[&pool];
+    let (name, primary, slot) = (0..1000)
+        .find_map(|i| {
+            let name = format!("stall-{i}");
+            let pg = nvstore::placement::pg_of(p, name.as_bytes());
+            let a = nvstore::placement::Acting::compute(&map, p, pg);
+            let slot = a.members.iter().position(|m| *m == Some(STOPPED))?;
+            (a.primary != Some(STOPPED)).then(|| (name, a.primary.unwrap(), slot))
+        })
+        .expect("an object with a shard on the stopped node");
+    let pid = h.lc.start_member(&format!("node.{STOPPED}")).unwrap();
+    // SAFETY: signalling a node process this test's cluster started.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let found = std::thread::scope(|s| {
+        let writer = s.spawn(|| c.put(pool, name.as_bytes(), b"waits for a stopped node"));
+        let t = Instant::now();
+        let found = loop {
+            let r = c.slow_ops(primary).unwrap();
+            let stuck = r["in_flight"].as_array().unwrap().iter().find(|op| {
+                let on_slot = |ev: &str| {
+                    op["events"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .filter(|e| e["event"] == ev && e["shard"] == slot)
+                        .count()
+                };
+                op["object"] == name.as_str()
+                    && op["in_flight"] == true
+                    && on_slot("sub_op_sent") > on_slot("sub_op_acked") + on_slot("sub_op_failed")
+            });
+            if let Some(op) = stuck {
+                break Some(op.clone());
+            }
+            if t.elapsed() > Duration::from_secs(2) {
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+        writer
+            .join()
+            .unwrap()
+            .expect("the write completes once the node runs again");
+        found
+    });
+    let op = found.expect("the stalled write in the primary's in-flight slow ops");
+    assert_eq!(op["op"], "client_op");
+    assert!(op.get("status").is_none(), "no reply yet: {op:#}");
+    assert_eq!(
+        c.get(pool, name.as_bytes()).unwrap(),
+        b"waits for a stopped node"
+    );
+}
+
 #[test]
 fn counters_slow_ops_metrics_and_thread_names() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -366,6 +429,9 @@ fn counters_slow_ops_metrics_and_thread_names() {
     assert!(op["client"].as_str().unwrap().starts_with("client."));
     assert!(op["object"].as_str().unwrap().len() >= 3);
     assert_eq!(op["status"], "ok");
+
+    // An op stuck on a member shows, while in flight, which shard it waits for.
+    stalled_op_shows_the_shard_it_waits_for(&h, pool);
 
     // Health warns about them (heartbeats carry the count).
     let t = Instant::now();
