@@ -350,6 +350,18 @@ fn counters_slow_ops_metrics_and_thread_names() {
     assert!(delta("messenger.bytes_in") > (OBJECTS * OBJECT_BYTES) as u64);
     assert!(delta("ops.finished") >= 4 * OBJECTS as u64);
     for d in &after {
+        // Group-commit batch sizes: every round lands in one bucket (a round may finish
+        // between reading the round count and the buckets).
+        let buckets: u64 = ["1", "2", "4", "8", "16", "32", "64", "128"]
+            .iter()
+            .map(|b| u(d, &format!("store.commit_rounds_txns_le_{b}")))
+            .sum::<u64>()
+            + u(d, "store.commit_rounds_txns_gt_128");
+        let rounds = u(d, "store.commit_rounds");
+        assert!(
+            rounds > 0 && (rounds..=rounds + 1).contains(&buckets),
+            "{d:#}"
+        );
         let dev = d["store"]["by_device"].as_object().expect("per device");
         assert_eq!(dev.len(), 1, "{d:#}");
         assert!(dev.values().all(|v| v["segments_total"].as_u64() > Some(0)));

@@ -32,6 +32,19 @@ pub struct EcCounters {
     pub reconstruct_calls: AtomicU64,
 }
 
+/// Group-commit batch sizes: `store::stats::RoundHistogram`'s buckets.
+const ROUND_BUCKET_NAMES: [&str; store::stats::ROUND_TXNS_BUCKETS] = [
+    "commit_rounds_txns_le_1",
+    "commit_rounds_txns_le_2",
+    "commit_rounds_txns_le_4",
+    "commit_rounds_txns_le_8",
+    "commit_rounds_txns_le_16",
+    "commit_rounds_txns_le_32",
+    "commit_rounds_txns_le_64",
+    "commit_rounds_txns_le_128",
+    "commit_rounds_txns_gt_128",
+];
+
 /// (name, kind, value, help) of one sample.
 type Row = (&'static str, Kind, u64, &'static str);
 
@@ -124,7 +137,15 @@ impl Node {
                 ("queue_depth", G, io.in_flight, "Device commands in flight now"),
                 ("queue_depth_max", G, io.in_flight_max, "Most device commands in flight at once"),
             ];
-            for (group, rows) in [("store", &store[..]), ("driver", &driver[..])] {
+            let rounds = ROUND_BUCKET_NAMES.iter().zip(t.round_txns);
+            let by_size: Vec<Row> = rounds
+                .map(|(name, n)| (*name, C, n, "Commit rounds by transactions made durable"))
+                .collect();
+            for (group, rows) in [
+                ("store", &store[..]),
+                ("store", &by_size),
+                ("driver", &driver[..]),
+            ] {
                 for &(name, kind, v, help) in rows {
                     out.push(group, name, help, kind, Some(("device", dev.clone())), v);
                 }
