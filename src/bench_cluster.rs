@@ -130,48 +130,45 @@ pub fn bench(
                     stop.clone(),
                     payload.clone(),
                 );
-                let named = std::thread::Builder::new().name(format!("bench-client-{t}"));
-                named
-                    .spawn_scoped(s, move || {
-                        let mut h =
-                            Histogram::<u64>::new_with_bounds(1, 600_000_000, 3).expect("bounds");
-                        let mut rng = rand::rngs::SmallRng::seed_from_u64(t as u64);
-                        while !stop.load(Relaxed) {
-                            let i = match mode {
-                                Mode::Write => next.fetch_add(1, Relaxed),
-                                Mode::Seq => next.fetch_add(1, Relaxed) % existing,
-                                Mode::Rand => rng.gen_range(0..existing),
-                            };
-                            let name = obj_name(size, i);
-                            let t = Instant::now();
-                            let r = match mode {
-                                Mode::Write => c.put(pool, name.as_bytes(), &payload).map(|_| ()),
-                                _ => c.get(pool, name.as_bytes()).and_then(|d| {
-                                    if d.len() as u64 == size {
-                                        Ok(())
-                                    } else {
-                                        Err(crate::Error::Malformed(format!(
-                                            "{name}: {} bytes",
-                                            d.len()
-                                        )))
-                                    }
-                                }),
-                            };
-                            match r {
-                                Ok(()) => {
-                                    let _ = h.record(t.elapsed().as_micros().max(1) as u64);
-                                    done.fetch_add(1, Relaxed);
+                spawn_named(s, format!("bench-client-{t}"), move || {
+                    let mut h =
+                        Histogram::<u64>::new_with_bounds(1, 600_000_000, 3).expect("bounds");
+                    let mut rng = rand::rngs::SmallRng::seed_from_u64(t as u64);
+                    while !stop.load(Relaxed) {
+                        let i = match mode {
+                            Mode::Write => next.fetch_add(1, Relaxed),
+                            Mode::Seq => next.fetch_add(1, Relaxed) % existing,
+                            Mode::Rand => rng.gen_range(0..existing),
+                        };
+                        let name = obj_name(size, i);
+                        let t = Instant::now();
+                        let r = match mode {
+                            Mode::Write => c.put(pool, name.as_bytes(), &payload).map(|_| ()),
+                            _ => c.get(pool, name.as_bytes()).and_then(|d| {
+                                if d.len() as u64 == size {
+                                    Ok(())
+                                } else {
+                                    Err(crate::Error::Malformed(format!(
+                                        "{name}: {} bytes",
+                                        d.len()
+                                    )))
                                 }
-                                Err(e) => {
-                                    if errors.fetch_add(1, Relaxed) < 3 {
-                                        eprintln!("bench: {name}: {e}");
-                                    }
+                            }),
+                        };
+                        match r {
+                            Ok(()) => {
+                                let _ = h.record(t.elapsed().as_micros().max(1) as u64);
+                                done.fetch_add(1, Relaxed);
+                            }
+                            Err(e) => {
+                                if errors.fetch_add(1, Relaxed) < 3 {
+                                    eprintln!("bench: {name}: {e}");
                                 }
                             }
                         }
-                        h
-                    })
-                    .expect("spawn a benchmark client thread")
+                    }
+                    h
+                })
             })
             .collect();
         let deadline = t0 + Duration::from_secs(seconds);
@@ -259,4 +256,16 @@ pub fn run(mode: Mode, a: ClusterBenchArgs) -> Result<ExitCode, Box<dyn std::err
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// A scoped thread named for `top -H`.
+fn spawn_named<'s, T: Send + 's>(
+    s: &'s std::thread::Scope<'s, '_>,
+    name: String,
+    f: impl FnOnce() -> T + Send + 's,
+) -> std::thread::ScopedJoinHandle<'s, T> {
+    std::thread::Builder::new()
+        .name(name)
+        .spawn_scoped(s, f)
+        .expect("spawn a benchmark thread")
 }
