@@ -717,8 +717,6 @@ impl Node {
             }
         }
         let with_staged = |d: &[u8]| -> Vec<u8> {
-            let bytes = staged.map_or(0, <[u8]>::len) + d.len();
-            self.counters.write_bytes.fetch_add(bytes as u64, Relaxed);
             match staged {
                 Some(s) => [s, d].concat(),
                 None => d.to_vec(),
@@ -753,6 +751,9 @@ impl Node {
             }
             Some(SubOp::Append(data)) => {
                 let data = with_staged(data);
+                self.counters
+                    .write_bytes
+                    .fetch_add(data.len() as u64, Relaxed);
                 Plan::Range(if st.exists() { st.size } else { 0 }, data)
             }
             _ => Plan::Meta,
