@@ -7,11 +7,13 @@ use std::collections::{BTreeMap, HashSet};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use messenger::{Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret};
 use nvstore::cluster_cmd::{LocalCluster, LocalOptions};
-use nvstore::Client;
+use nvstore::wire::{self, Status};
+use nvstore::{Client, Error};
 use serde_json::Value;
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -570,5 +572,46 @@ fn counters_slow_ops_metrics_and_thread_names() {
     assert!(out.status.success(), "{out:?}");
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["node"], 2);
-    assert!(c.perf_dump(1).is_ok());
+    raw_admin_requests_get_clear_errors(&h);
+    assert!(c.perf_dump(1).is_ok(), "the node keeps serving");
+}
+
+/// Admin messages straight to a node with bodies the client would never send.
+fn raw_admin_requests_get_clear_errors(h: &Harness) {
+    struct Nothing;
+    impl Dispatcher for Nothing {
+        fn handle(&self, _: Incoming) {}
+    }
+    let secret = Secret::load(&h.lc.dir.join("cluster.key")).unwrap();
+    let m = Messenger::new(
+        messenger::Config::default(),
+        Identity::Client(4243),
+        secret,
+        Arc::new(Nothing),
+    )
+    .unwrap();
+    let map = h.client.map();
+    let conn = m.connect(map.nodes[&1].addr, Identity::Node(1)).unwrap();
+    let ask = |t: u16, payload: Vec<u8>| -> String {
+        let r = conn
+            .request(OutMessage::new(t, payload), Duration::from_secs(10))
+            .unwrap();
+        match wire::parse_reply(&r.payload) {
+            Err(Error::Remote { status, message }) => {
+                assert_eq!(status, Status::Malformed, "{message}");
+                message
+            }
+            other => panic!("type {t}: {other:?}"),
+        }
+    };
+    let epoch = map.epoch.to_le_bytes().to_vec();
+    let short = ask(wire::MSG_ADMIN_PERF_DUMP, vec![1, 2]);
+    assert!(short.contains("bytes were expected"), "{short}");
+    let trailing = ask(wire::MSG_ADMIN_SLOW_OPS, [&epoch[..], b"xyz"].concat());
+    assert!(
+        trailing.contains("3 unexpected trailing bytes"),
+        "{trailing}"
+    );
+    let unknown = ask(59, epoch);
+    assert!(unknown.contains("unknown message type 59"), "{unknown}");
 }
