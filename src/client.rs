@@ -148,6 +148,11 @@ impl Client {
             .ok_or_else(|| Error::remote(Status::NoSuchPool, format!("no pool named {name:?}")))
     }
 
+    /// The (kept) connection to a node, for requests that are not object ops.
+    pub(crate) fn node_conn(&self, node: u32, addr: SocketAddr) -> Result<Connection> {
+        self.conn(node, addr)
+    }
+
     fn conn(&self, node: u32, addr: SocketAddr) -> Result<Connection> {
         // Held across the connect so racing threads share one connection.
         let mut conns = self.conns.lock().unwrap();

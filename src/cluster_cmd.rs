@@ -39,6 +39,8 @@ pub struct LocalOptions {
     pub heartbeat_ms: u64,
     pub write_wait_ms: u64,
     pub op_threads: usize,
+    /// Nodes' `slow_op_ms`.
+    pub slow_op_ms: u64,
 }
 
 impl Default for LocalOptions {
@@ -52,6 +54,7 @@ impl Default for LocalOptions {
             heartbeat_ms: 500,
             write_wait_ms: 10_000,
             op_threads: 8,
+            slow_op_ms: 5000,
         }
     }
 }
@@ -114,6 +117,7 @@ impl LocalCluster {
                     data_dir: d.clone(),
                     down_grace_ms: o.down_grace_ms,
                     out_grace_ms: o.out_grace_ms,
+                    metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], free_port()?))),
                 },
             )?;
         }
@@ -137,6 +141,8 @@ impl LocalCluster {
                     op_threads: o.op_threads,
                     write_wait_ms: o.write_wait_ms,
                     busy_poll_us: 20,
+                    slow_op_ms: o.slow_op_ms,
+                    metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], free_port()?))),
                 },
             )?;
         }
@@ -148,6 +154,16 @@ impl LocalCluster {
                 op_timeout_ms: 30_000,
             },
         )
+    }
+
+    /// Where a member ("mon.N" or "node.N") serves Prometheus metrics (from its config).
+    pub fn metrics_addr(&self, member: &str) -> Result<Option<SocketAddr>> {
+        let d = self.dir.join(member);
+        Ok(if member.starts_with("mon.") {
+            MonitorConfig::load(&d.join("monitor.toml"))?.metrics_listen
+        } else {
+            NodeConfig::load(&d.join("node.toml"))?.metrics_listen
+        })
     }
 
     fn members(&self) -> Result<Vec<String>> {

@@ -36,6 +36,9 @@ pub struct MonitorConfig {
     /// A node down for this long is marked out (its PGs remap).
     #[serde(default = "default_out_grace_ms")]
     pub out_grace_ms: u64,
+    /// Serve Prometheus metrics (`GET /metrics`) here; off when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 fn default_down_grace_ms() -> u64 {
@@ -96,6 +99,19 @@ pub struct NodeConfig {
     /// node processes may share few cores.
     #[serde(default = "default_busy_poll_us")]
     pub busy_poll_us: u64,
+    /// An op that takes at least this long is a slow op: kept for `nvstore slow-ops` and
+    /// warned about in health. 0 records every op (debugging).
+    #[serde(default = "default_slow_op_ms")]
+    pub slow_op_ms: u64,
+    /// Serve Prometheus metrics (`GET /metrics`) here; off when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics_listen: Option<SocketAddr>,
+}
+
+/// 5 s: far above a healthy op (milliseconds) yet clear of the stalls a busy shared test
+/// machine shows; an op this slow is worth a health warning.
+fn default_slow_op_ms() -> u64 {
+    5000
 }
 
 fn default_busy_poll_us() -> u64 {

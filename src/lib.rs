@@ -1,5 +1,6 @@
 //! nvstore: node, client, cluster map and the command-line interface.
 
+pub mod admin;
 pub mod bench;
 pub mod cli;
 pub mod device;
@@ -21,4 +22,6 @@ pub mod monclient;
 pub mod monitor;
 pub mod node;
 pub mod ops;
+pub mod optrack;
+pub mod prom;
 pub mod queue;

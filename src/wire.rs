@@ -26,6 +26,10 @@ pub const MSG_SHARD_WRITE: u16 = 30;
 pub const MSG_SHARD_READ: u16 = 31;
 pub const MSG_SHARD_STAT: u16 = 32;
 pub const MSG_SHARD_ROLLBACK: u16 = 33;
+// Admin range 50..=59 (client → node, JSON replies; docs/operations.md).
+pub const MSG_ADMIN_PERF_DUMP: u16 = 50;
+pub const MSG_ADMIN_PERF_RESET: u16 = 51;
+pub const MSG_ADMIN_SLOW_OPS: u16 = 52;
 /// Every reply uses this type; its body starts with a [`Status`].
 pub const MSG_REPLY: u16 = 99;
 

@@ -6,6 +6,7 @@
 //! subscribed connection (nodes and clients). Map reads are served by any monitor from its
 //! applied state; commands go to the leader (others answer `NotLeader` naming it).
 
+mod metrics;
 pub mod raft;
 
 use std::collections::{BTreeMap, HashMap};
@@ -48,6 +49,12 @@ pub struct NodeStats {
     pub shards: u64,
     pub used_bytes: u64,
     pub capacity_bytes: u64,
+    /// Ops slow within the last minute, or slow and still running.
+    #[serde(default)]
+    pub slow_ops: u64,
+    /// The longest of those, in milliseconds.
+    #[serde(default)]
+    pub slow_longest_ms: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
@@ -349,6 +356,26 @@ impl Monitor {
         }
     }
 
+    /// "N slow ops on node X, oldest Y s" for each up node that reported slow ops.
+    fn slow_op_details(&self, map: &ClusterMap) -> Vec<String> {
+        let seen = self.seen.lock().unwrap();
+        map.nodes
+            .values()
+            .filter(|n| n.up)
+            .filter_map(|n| {
+                let s = &seen.get(&n.id)?.stats;
+                (s.slow_ops > 0).then(|| {
+                    format!(
+                        "{} slow ops on node {}, oldest {:.1} s",
+                        s.slow_ops,
+                        n.id,
+                        s.slow_longest_ms as f64 / 1000.0
+                    )
+                })
+            })
+            .collect()
+    }
+
     pub fn status(&self) -> StatusReport {
         let map = self.store.shared.state.lock().unwrap().map.clone();
         let metrics = self.raft().metrics().borrow().clone();
@@ -378,6 +405,7 @@ impl Monitor {
                 _ => detail.push(format!("{n} pgs down: objects unavailable")),
             }
         }
+        detail.extend(self.slow_op_details(&map));
         let health = if pg_states.contains_key("down") {
             "HEALTH_ERR"
         } else if detail.is_empty() {
@@ -476,7 +504,12 @@ pub fn start(cfg: MonitorConfig) -> Result<Arc<Monitor>> {
         .map_err(|e| Error::io(format!("monitor data dir {}", cfg.data_dir.display()), e))?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
-        .thread_name("mon-raft")
+        .thread_name_fn(|| {
+            // Numbered so `top -H` tells the runtime's threads apart.
+            static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            format!("mon-raft-{n}")
+        })
         .enable_all()
         .build()
         .map_err(|e| Error::io("tokio runtime", e))?;
@@ -531,6 +564,7 @@ pub fn start(cfg: MonitorConfig) -> Result<Arc<Monitor>> {
     let _ = mon.raft.set(raft);
     let _ = disp.0.set(mon.clone());
     msgr.listen(listen)?;
+    mon.start_metrics(&msgr)?;
     if pristine && cfg.id == 1 {
         let members: BTreeMap<u64, BasicNode> = cfg
             .monitors

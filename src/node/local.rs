@@ -536,7 +536,9 @@ impl Local {
                 t.remove(k.clone());
             }
         }
+        crate::optrack::event(crate::optrack::Ev::CommitStart, crate::optrack::NO_SHARD);
         let r = st.commit(t);
+        crate::optrack::event(crate::optrack::Ev::CommitEnd, crate::optrack::NO_SHARD);
         self.meta_cache.lock().unwrap().remove(&key);
         r?;
         self.pg_logs
@@ -637,7 +639,9 @@ impl Local {
         if st.exists(&log_key) {
             t.remove(log_key);
         }
+        crate::optrack::event(crate::optrack::Ev::CommitStart, crate::optrack::NO_SHARD);
         let r = st.commit(t);
+        crate::optrack::event(crate::optrack::Ev::CommitEnd, crate::optrack::NO_SHARD);
         self.meta_cache.lock().unwrap().remove(&key);
         r?;
         self.stat(pool, pg, name, shard)

@@ -8,6 +8,7 @@
 //! monitors.
 
 pub mod local;
+pub mod perf;
 pub mod primary;
 
 use std::collections::{HashMap, VecDeque};
@@ -30,6 +31,7 @@ use crate::map::NodeInfo;
 use crate::monclient::MonClient;
 use crate::monitor::raft::MonCommand;
 use crate::monitor::NodeStats;
+use crate::optrack::{CurrentGuard, Ev, OpDesc, TrackedOp, NO_SHARD};
 use crate::wire::{self, Dec, Enc, Status};
 use local::{Local, ShardWrite};
 use primary::PgCache;
@@ -52,7 +54,7 @@ pub struct Counters {
 }
 
 struct PgSlot {
-    queue: VecDeque<Incoming>,
+    queue: VecDeque<(Incoming, Arc<TrackedOp>)>,
     running: bool,
     cache: Arc<Mutex<PgCache>>,
 }
@@ -71,10 +73,12 @@ pub struct Node {
     peers: Mutex<HashMap<u32, Connection>>,
     pgs: Mutex<HashMap<(u64, u32), PgSlot>>,
     run_q: Arc<WaitQueue<(u64, u32)>>,
-    shard_q: Arc<WaitQueue<Incoming>>,
+    shard_q: Arc<WaitQueue<(Incoming, Arc<TrackedOp>)>>,
     staging: Mutex<HashMap<(Identity, u64), Staged>>,
     codecs: Mutex<HashMap<ec::Profile, Arc<ec::Codec>>>,
     pub counters: Counters,
+    /// Op tracking, slow ops, counters of every subsystem (`perf dump`, metrics).
+    pub perf: perf::Perf,
 }
 
 struct NodeDispatcher {
@@ -115,13 +119,14 @@ impl Dispatcher for NodeDispatcher {
             wire::MSG_SHARD_WRITE
             | wire::MSG_SHARD_READ
             | wire::MSG_SHARD_STAT
-            | wire::MSG_SHARD_ROLLBACK => {
-                node.shard_q.push(msg);
-            }
+            | wire::MSG_SHARD_ROLLBACK => node.enqueue_shard_op(msg),
             t => {
                 let r = match t {
                     wire::MSG_CLIENT_STAGE => node.stage(&msg),
                     wire::MSG_CLIENT_LIST => node.list(&msg),
+                    wire::MSG_ADMIN_PERF_DUMP
+                    | wire::MSG_ADMIN_PERF_RESET
+                    | wire::MSG_ADMIN_SLOW_OPS => node.admin(&msg),
                     _ => Err(Error::Malformed(format!("unknown message type {t}"))),
                 };
                 node.reply(&mut msg, r);
@@ -196,7 +201,7 @@ impl Node {
 
     /// Put a client op on its PG's queue (on the messenger worker: cheap, in arrival order).
     fn enqueue_op(&self, mut msg: Incoming) {
-        let key = {
+        let (key, op) = {
             let mut d = Dec::new(msg.payload());
             match (d.u64(), d.u64(), d.bytes()) {
                 (Ok(_), Ok(pool), Ok(name)) => {
@@ -205,7 +210,8 @@ impl Node {
                         .pools
                         .get(&pool)
                         .map_or(0, |p| crate::placement::pg_of(p, name));
-                    (pool, pg)
+                    let desc = OpDesc::new("client_op", msg.peer(), pool, pg, name);
+                    ((pool, pg), self.perf.ops.begin(desc, msg.throttled()))
                 }
                 _ => {
                     return self.reply(
@@ -221,7 +227,8 @@ impl Node {
             running: false,
             cache: Arc::new(Mutex::new(PgCache::default())),
         });
-        slot.queue.push_back(msg);
+        op.event(Ev::Queued, NO_SHARD);
+        slot.queue.push_back((msg, op));
         if !slot.running {
             slot.running = true;
             self.run_q.push(key);
@@ -242,17 +249,57 @@ impl Node {
                         }
                     }
                 };
-                let mut job = job;
-                let r = self.run_client_op(&job, &cache);
-                self.reply_parts(&mut job, r);
+                let (mut job, op) = job;
+                op.event(Ev::Started, NO_SHARD);
+                let r = {
+                    let _current = CurrentGuard::set(&op);
+                    self.run_client_op(&job, &cache)
+                };
+                self.finish_op(&mut job, &op, r);
             }
         }
     }
 
+    /// Reply and stop tracking the op.
+    fn finish_op(&self, msg: &mut Incoming, op: &Arc<TrackedOp>, r: Result<Vec<SendBuf>>) {
+        let status: std::borrow::Cow<'static, str> = match &r {
+            Ok(_) => "ok".into(),
+            Err(e) => e.message().into(),
+        };
+        self.reply_parts(msg, r);
+        self.perf.ops.finish(op, &status);
+    }
+
+    /// Track a shard op and queue it for the shard threads (on the messenger worker).
+    fn enqueue_shard_op(&self, msg: Incoming) {
+        let kind = match msg.msg_type() {
+            wire::MSG_SHARD_WRITE => "shard_write",
+            wire::MSG_SHARD_READ => "shard_read",
+            wire::MSG_SHARD_STAT => "shard_stat",
+            _ => "shard_rollback",
+        };
+        let desc = {
+            // Every shard op starts: epoch, pool, pg, name (shard_op checks it all again).
+            let mut d = Dec::new(msg.payload());
+            let _ = d.u64();
+            match (d.u64(), d.u32(), d.bytes()) {
+                (Ok(pool), Ok(pg), Ok(name)) => OpDesc::new(kind, msg.peer(), pool, pg, name),
+                _ => OpDesc::new(kind, msg.peer(), 0, 0, b""),
+            }
+        };
+        let op = self.perf.ops.begin(desc, msg.throttled());
+        op.event(Ev::Queued, NO_SHARD);
+        self.shard_q.push((msg, op));
+    }
+
     fn shard_thread(self: Arc<Self>) {
-        while let Some(mut msg) = self.shard_q.pop() {
-            let r = self.shard_op(&msg);
-            self.reply_parts(&mut msg, r);
+        while let Some((mut msg, op)) = self.shard_q.pop() {
+            op.event(Ev::Started, NO_SHARD);
+            let r = {
+                let _current = CurrentGuard::set(&op);
+                self.shard_op(&msg)
+            };
+            self.finish_op(&mut msg, &op, r);
         }
     }
 
@@ -409,6 +456,7 @@ impl Node {
     }
 
     fn stats(&self) -> NodeStats {
+        let (slow_ops, slow_longest_ms) = self.perf.ops.health();
         let (mut used, mut cap) = (0, 0);
         for s in &self.local.stores {
             let sp = s.space();
@@ -423,6 +471,8 @@ impl Node {
             shards: self.local.shard_count(),
             used_bytes: used,
             capacity_bytes: cap,
+            slow_ops,
+            slow_longest_ms,
         }
     }
 
@@ -535,10 +585,12 @@ pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
         staging: Mutex::new(HashMap::new()),
         codecs: Mutex::new(HashMap::new()),
         counters: Counters::default(),
+        perf: perf::Perf::new(Duration::from_millis(cfg.slow_op_ms)),
     });
     let _ = node.msgr.set(msgr.clone());
     let _ = disp.node.set(node.clone());
     let addr = msgr.listen(cfg.listen)?;
+    node.start_metrics()?;
     for i in 0..cfg.op_threads.max(1) {
         let n = node.clone();
         std::thread::Builder::new()

@@ -27,6 +27,7 @@ use super::Node;
 use crate::error::{Error, Result};
 use crate::map::{ClusterMap, PoolInfo};
 use crate::ops::{self, ClientOp, ObjStat, OpResult, SubOp};
+use crate::optrack::{self, Ev};
 use crate::placement::{pg_of, Acting};
 use crate::queue::WaitQueue;
 use crate::wire::{self, Dec, Enc, Status};
@@ -265,6 +266,13 @@ impl Node {
         Ok(ops::encode_results_parts(e, version, results))
     }
 
+    /// Erasure-coding counters: `bytes` of object data went through `encode`.
+    fn count_encoded(&self, bytes: usize) {
+        let ec = &self.perf.ec;
+        ec.encode_calls.fetch_add(1, Relaxed);
+        ec.encoded_bytes.fetch_add(bytes as u64, Relaxed);
+    }
+
     // ---- shard requests -------------------------------------------------------------------
 
     /// Send one shard request per (slot, parts) and collect the replies; the slot on this
@@ -291,6 +299,7 @@ impl Node {
             }
             sent += 1;
             let tx = replies.clone();
+            optrack::event(Ev::SubOpSent, slot as u8);
             match self.peer(node) {
                 Ok(conn) => {
                     let msg = OutMessage { msg_type, parts };
@@ -308,13 +317,27 @@ impl Node {
             }
         }
         let mut out = Vec::new();
+        let ack = |slot: usize, r: &Result<Payload>| {
+            let ev = if r.is_ok() {
+                Ev::SubOpAcked
+            } else {
+                Ev::SubOpFailed
+            };
+            optrack::event(ev, slot as u8);
+        };
         for (slot, parts) in mine {
-            out.push((slot, local(slot, parts)));
+            optrack::event(Ev::SubOpSent, slot as u8);
+            let r = local(slot, parts);
+            ack(slot, &r);
+            out.push((slot, r));
         }
         // Every request ends in exactly one callback (reply, timeout or connection loss).
         for _ in 0..sent {
             match replies.pop() {
-                Some(r) => out.push(r),
+                Some(r) => {
+                    ack(r.0, &r.1);
+                    out.push(r)
+                }
                 None => break,
             }
         }
@@ -636,6 +659,10 @@ impl Node {
                 }
                 ctx.codec.reconstruct(&mut slots)?;
             }
+            let ec = &self.perf.ec;
+            ec.reconstruct_calls.fetch_add(1, Relaxed);
+            ec.reconstructed_bytes
+                .fetch_add(missing.len() as u64 * (hi - lo), Relaxed);
             got.into_iter()
                 .chain(wanted)
                 .map(|(s, v)| (s, (lo, Fetched::from_vec(v))))
@@ -724,6 +751,9 @@ impl Node {
             }
             Some(SubOp::Append(data)) => {
                 let data = with_staged(data);
+                self.counters
+                    .write_bytes
+                    .fetch_add(data.len() as u64, Relaxed);
                 Plan::Range(if st.exists() { st.size } else { 0 }, data)
             }
             _ => Plan::Meta,
@@ -765,6 +795,7 @@ impl Node {
                     return Err(too_large(data.len() as u64));
                 }
                 let shards = encode_full(ctx, &data);
+                self.count_encoded(data.len());
                 (
                     data.len() as u64,
                     deleted,
@@ -905,6 +936,10 @@ impl Node {
             let mut slices: Vec<&mut [u8]> = parity.iter_mut().map(|v| &mut v[a..b]).collect();
             ctx.codec.parity_delta(*j, &old[j], &new[j], &mut slices);
         }
+        self.perf
+            .ec
+            .delta_bytes
+            .fetch_add(data.len() as u64, Relaxed);
         tracing::debug!(
             "parity delta: {} at {off}+{}: data shards {:?}, parity [{plo}, {phi})",
             String::from_utf8_lossy(name),
@@ -951,6 +986,7 @@ impl Node {
         buf[at..at + data.len()].copy_from_slice(data);
         let stripes = buf.len() / ctx.profile.stripe_width() as usize;
         let mut shards = stripes_to_shards(ctx, &buf, stripes);
+        self.count_encoded(buf.len());
         let s_off = s0 * u;
         for (slot, v) in shards.iter_mut().enumerate() {
             let keep = ctx
