@@ -84,6 +84,11 @@ pub enum Command {
     },
     /// Start an 8-node local cluster, write, kill nodes, read degraded, heal, clean up
     Demo(crate::demo::DemoArgs),
+    /// Scrub: start a pass now, show counters, locate a shard on its device
+    Scrub {
+        #[command(subcommand)]
+        cmd: crate::scrub_cmd::ScrubCommand,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -151,5 +156,6 @@ pub fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
         Command::Perf { .. } => not_built("perf", 8),
         Command::SlowOps { .. } => not_built("slow-ops", 8),
         Command::Demo(a) => crate::demo::run(a)?,
+        Command::Scrub { cmd } => crate::scrub_cmd::run(cmd)?,
     })
 }

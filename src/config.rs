@@ -96,6 +96,20 @@ pub struct NodeConfig {
     /// node processes may share few cores.
     #[serde(default = "default_busy_poll_us")]
     pub busy_poll_us: u64,
+    /// Background scrub read rate, shard bytes per second.
+    #[serde(default = "default_scrub_bytes_per_sec")]
+    pub scrub_bytes_per_sec: u64,
+    /// Start a scrub pass this long after the last one completed (0: only when asked, with
+    /// `nvstore scrub start`).
+    #[serde(default = "default_scrub_interval_s")]
+    pub scrub_interval_s: u64,
+}
+
+fn default_scrub_bytes_per_sec() -> u64 {
+    32 << 20
+}
+fn default_scrub_interval_s() -> u64 {
+    7 * 24 * 3600
 }
 
 fn default_busy_poll_us() -> u64 {

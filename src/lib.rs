@@ -22,3 +22,4 @@ pub mod monitor;
 pub mod node;
 pub mod ops;
 pub mod queue;
+pub mod scrub_cmd;

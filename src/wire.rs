@@ -26,6 +26,12 @@ pub const MSG_SHARD_WRITE: u16 = 30;
 pub const MSG_SHARD_READ: u16 = 31;
 pub const MSG_SHARD_STAT: u16 = 32;
 pub const MSG_SHARD_ROLLBACK: u16 = 33;
+/// Replace a shard at a version with reconstructed bytes (scrub and read repair).
+pub const MSG_SHARD_REPAIR: u16 = 70;
+/// Scrub control: start a pass now, or report the node's scrub state (JSON).
+pub const MSG_NODE_SCRUB: u16 = 71;
+/// Where a shard's data chunks sit on the node's device (tests and `nvstore scrub locate`).
+pub const MSG_NODE_LOCATE: u16 = 72;
 /// Every reply uses this type; its body starts with a [`Status`].
 pub const MSG_REPLY: u16 = 99;
 
@@ -58,6 +64,9 @@ pub enum Status {
     TimedOut = 15,
     NotLeader = 16,
     Internal = 17,
+    /// A stored checksum did not match: the message names device, byte offset and the
+    /// expected and found crc32c. The primary reads around the shard and repairs it.
+    Corrupted = 18,
 }
 
 impl Status {
@@ -82,6 +91,7 @@ impl Status {
             TimedOut,
             NotLeader,
             Internal,
+            Corrupted,
         ]
         .get(v as usize)
         .copied()
@@ -109,6 +119,7 @@ impl Status {
             TimedOut => "timed out",
             NotLeader => "not the monitor leader",
             Internal => "internal error",
+            Corrupted => "corrupt shard",
         }
     }
 }

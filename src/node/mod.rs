@@ -9,6 +9,8 @@
 
 pub mod local;
 pub mod primary;
+pub mod repair;
+pub mod scrub;
 
 use std::collections::{HashMap, VecDeque};
 use std::path::Path;
@@ -75,6 +77,7 @@ pub struct Node {
     staging: Mutex<HashMap<(Identity, u64), Staged>>,
     codecs: Mutex<HashMap<ec::Profile, Arc<ec::Codec>>>,
     pub counters: Counters,
+    pub scrub: scrub::Scrub,
 }
 
 struct NodeDispatcher {
@@ -91,6 +94,7 @@ impl Dispatcher for NodeDispatcher {
                 | wire::MSG_SHARD_READ
                 | wire::MSG_SHARD_STAT
                 | wire::MSG_SHARD_ROLLBACK
+                | wire::MSG_SHARD_REPAIR
         )
     }
 
@@ -115,13 +119,16 @@ impl Dispatcher for NodeDispatcher {
             wire::MSG_SHARD_WRITE
             | wire::MSG_SHARD_READ
             | wire::MSG_SHARD_STAT
-            | wire::MSG_SHARD_ROLLBACK => {
+            | wire::MSG_SHARD_ROLLBACK
+            | wire::MSG_SHARD_REPAIR => {
                 node.shard_q.push(msg);
             }
             t => {
                 let r = match t {
                     wire::MSG_CLIENT_STAGE => node.stage(&msg),
                     wire::MSG_CLIENT_LIST => node.list(&msg),
+                    wire::MSG_NODE_SCRUB => node.scrub_control(&msg),
+                    wire::MSG_NODE_LOCATE => node.locate(&msg),
                     _ => Err(Error::Malformed(format!("unknown message type {t}"))),
                 };
                 node.reply(&mut msg, r);
@@ -245,6 +252,8 @@ impl Node {
                 let mut job = job;
                 let r = self.run_client_op(&job, &cache);
                 self.reply_parts(&mut job, r);
+                // Still holding the PG: rewrite corrupt shards the op's reads met.
+                self.run_read_repairs(key);
             }
         }
     }
@@ -294,6 +303,12 @@ impl Node {
                 let w = ShardWrite::decode(&mut d)?;
                 self.check_shard_sender(msg, epoch, w.pool, w.pg)?;
                 self.local.apply(&w)?;
+                Ok(vec![SendBuf::Vec(wire::reply_ok(self.epoch(), &[]))])
+            }
+            wire::MSG_SHARD_REPAIR => {
+                let w = ShardWrite::decode(&mut d)?;
+                self.check_shard_sender(msg, epoch, w.pool, w.pg)?;
+                self.local.repair(&w)?;
                 Ok(vec![SendBuf::Vec(wire::reply_ok(self.epoch(), &[]))])
             }
             t => {
@@ -423,7 +438,47 @@ impl Node {
             shards: self.local.shard_count(),
             used_bytes: used,
             capacity_bytes: cap,
+            scrub: self.scrub.counts.snapshot(),
         }
+    }
+
+    /// Run `f` holding a PG's turn: no client op of the PG runs meanwhile (ops that arrive
+    /// queue up and run after). Waits up to `wait` for the turn; `None` if it never came.
+    pub(crate) fn with_pg<T>(
+        &self,
+        key: (u64, u32),
+        wait: Duration,
+        f: impl FnOnce() -> T,
+    ) -> Option<T> {
+        let deadline = Instant::now() + wait;
+        loop {
+            {
+                let mut pgs = self.pgs.lock().unwrap();
+                let slot = pgs.entry(key).or_insert_with(|| PgSlot {
+                    queue: VecDeque::new(),
+                    running: false,
+                    cache: Arc::new(Mutex::new(PgCache::default())),
+                });
+                if !slot.running {
+                    slot.running = true;
+                    break;
+                }
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let r = f();
+        let mut pgs = self.pgs.lock().unwrap();
+        let slot = pgs.get_mut(&key).expect("held PG has a slot");
+        if slot.queue.is_empty() {
+            slot.running = false;
+        } else {
+            // Ops queued meanwhile: hand the PG (still marked running) to an op thread.
+            self.run_q.push(key);
+        }
+        Some(r)
     }
 
     fn heartbeat_loop(self: Arc<Self>) {
@@ -535,6 +590,7 @@ pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
         staging: Mutex::new(HashMap::new()),
         codecs: Mutex::new(HashMap::new()),
         counters: Counters::default(),
+        scrub: scrub::Scrub::load(&cfg.data_dir),
     });
     let _ = node.msgr.set(msgr.clone());
     let _ = disp.node.set(node.clone());
@@ -573,6 +629,11 @@ pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
     std::thread::Builder::new()
         .name("node-heartbeat".into())
         .spawn(move || n.heartbeat_loop())
+        .map_err(|e| Error::io("spawn", e))?;
+    let n = node.clone();
+    std::thread::Builder::new()
+        .name("node-scrub".into())
+        .spawn(move || n.scrub_loop())
         .map_err(|e| Error::io("spawn", e))?;
     info!("node {} up at {addr}, map epoch {}", cfg.id, r.epoch);
     if !monc.map().nodes.contains_key(&cfg.id) {
