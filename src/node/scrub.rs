@@ -367,12 +367,16 @@ pub(crate) fn parity_mismatch(
 }
 
 impl Node {
-    /// `MSG_NODE_SCRUB`: op 0 reports the scrub state, op 1 starts a pass now; JSON reply.
+    /// `MSG_NODE_SCRUB`: op 0 reports the scrub state, op 1 starts a pass now (and reports
+    /// the state from just before); JSON reply.
     pub(super) fn scrub_control(&self, msg: &Incoming) -> Result<Vec<u8>> {
         let mut d = Dec::new(msg.payload());
         let _epoch = d.u64()?;
         let op = d.u8()?;
         d.end()?;
+        // The state from before a start: a quick pass may end before the reply is built, and
+        // the caller waits for `passes` to grow past this.
+        let state = self.scrub.state(self.id);
         match op {
             0 => {}
             1 => self.scrub.request_start(),
@@ -383,7 +387,7 @@ impl Node {
                 ))
             }
         }
-        let body = serde_json::to_vec(&self.scrub.state(self.id))
+        let body = serde_json::to_vec(&state)
             .map_err(|e| Error::remote(Status::Internal, e.to_string()))?;
         Ok(wire::reply_ok(self.epoch(), &body))
     }
