@@ -69,6 +69,9 @@ impl MonitorConfig {
 /// `node.toml`: one storage node.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct NodeConfig {
+    /// Node id; 0 or absent: take it from the devices' labels (a node's identity travels
+    /// with its disks).
+    #[serde(default)]
     pub id: u32,
     /// Failure domain name.
     pub host: String,

@@ -7,6 +7,7 @@
 //! (they block on group commit, so there are several); `node-heartbeat` reports to the
 //! monitors.
 
+pub mod identity;
 pub mod local;
 pub mod primary;
 pub mod repair;
@@ -539,7 +540,8 @@ fn open_devices(cfg: &NodeConfig, fsid: &[u8; 16]) -> Result<Vec<Store<FileDevic
 }
 
 /// Start a node; returns once it has registered with the monitors.
-pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
+pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
+    cfg.id = identity::node_identity(&cfg)?;
     let secret = Secret::load(&cfg.key_file)?;
     std::fs::create_dir_all(&cfg.data_dir)
         .map_err(|e| Error::io(format!("data dir {}", cfg.data_dir.display()), e))?;
