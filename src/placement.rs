@@ -80,20 +80,13 @@ pub fn pg_members(map: &ClusterMap, pool: &PoolInfo, pg: u32) -> Vec<Option<u32>
     let base = mix(pool.id ^ mix(pg as u64 ^ 0x5047_0000_0000));
     let n = pool.size();
     let seed_of = |slot: usize, attempt: u64| mix(base ^ ((slot as u64) << 8) ^ (attempt << 40));
-    let best_of = |seed: u64, usable: &dyn Fn(usize) -> bool| {
-        cs.iter()
-            .enumerate()
-            .filter(|(i, _)| usable(*i))
-            .map(|(i, c)| (i, draw(seed ^ c.key, c.weight)))
-            .max_by(|a, b| a.1.total_cmp(&b.1))
-            .map(|(i, _)| i)
-    };
+    let attempts = ATTEMPTS_MAX as u64;
     let mut chosen: Vec<Option<usize>> = vec![None; n];
     // 1: distinct nodes.
-    for pass in 0..ATTEMPTS_MAX as u64 {
+    for pass in 0..attempts {
         for slot in 0..n {
             if chosen[slot].is_none() {
-                if let Some(i) = best_of(seed_of(slot, pass), &|_| true) {
+                if let Some(i) = best_of(&cs, seed_of(slot, pass), &|_| true) {
                     if !chosen.contains(&Some(i)) {
                         chosen[slot] = Some(i);
                     }
@@ -107,21 +100,14 @@ pub fn pg_members(map: &ClusterMap, pool: &PoolInfo, pg: u32) -> Vec<Option<u32>
     // 2: distinct hosts (in/out not looked at, so out/in moves nothing here).
     for slot in 0..n {
         let Some(i) = chosen[slot] else { continue };
-        if !chosen[..slot]
+        if chosen[..slot]
             .iter()
             .flatten()
             .any(|j| cs[*j].host == cs[i].host)
         {
-            continue;
+            let seeds = (attempts..2 * attempts).map(|a| seed_of(slot, a));
+            chosen[slot] = redraw(&cs, &chosen, slot, seeds, |_| true);
         }
-        chosen[slot] = redraw(
-            &cs,
-            &chosen,
-            slot,
-            |c| (0..ATTEMPTS_MAX as u64).map(move |a| seed_of(c, ATTEMPTS_MAX as u64 + a)),
-            &best_of,
-            |_| true,
-        );
     }
     // 3: out nodes (and empty slots) give way to in nodes.
     for slot in 0..n {
@@ -129,27 +115,30 @@ pub fn pg_members(map: &ClusterMap, pool: &PoolInfo, pg: u32) -> Vec<Option<u32>
             continue;
         }
         chosen[slot] = None;
-        chosen[slot] = redraw(
-            &cs,
-            &chosen,
-            slot,
-            |c| (0..ATTEMPTS_MAX as u64).map(move |a| seed_of(c, 2 * ATTEMPTS_MAX as u64 + a)),
-            &best_of,
-            |i| cs[i].r#in,
-        );
+        let seeds = (2 * attempts..3 * attempts).map(|a| seed_of(slot, a));
+        chosen[slot] = redraw(&cs, &chosen, slot, seeds, |i| cs[i].r#in);
     }
     chosen.iter().map(|c| c.map(|i| cs[i].id)).collect()
+}
+
+/// The candidate with the largest draw for `seed` among the `usable` ones.
+fn best_of(cs: &[Cand], seed: u64, usable: &dyn Fn(usize) -> bool) -> Option<usize> {
+    cs.iter()
+        .enumerate()
+        .filter(|(i, _)| usable(*i))
+        .map(|(i, c)| (i, draw(seed ^ c.key, c.weight)))
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|(i, _)| i)
 }
 
 /// A new node for `slot`: one on a host no other slot holds, not held itself, and `eligible`.
 /// Each seed draws over all nodes and keeps the winner only if it is usable (so the outcome
 /// does not depend on which other nodes are usable); after the seeds run out, the best usable.
-fn redraw<S: Iterator<Item = u64>>(
+fn redraw(
     cs: &[Cand],
     chosen: &[Option<usize>],
     slot: usize,
-    seeds: impl Fn(usize) -> S,
-    best_of: &dyn Fn(u64, &dyn Fn(usize) -> bool) -> Option<usize>,
+    mut seeds: impl Iterator<Item = u64>,
     eligible: impl Fn(usize) -> bool,
 ) -> Option<usize> {
     let usable = |i: usize| {
@@ -161,12 +150,14 @@ fn redraw<S: Iterator<Item = u64>>(
                 .filter_map(|(_, c)| *c)
                 .all(|j| j != i && cs[j].host != cs[i].host)
     };
-    for seed in seeds(slot) {
-        if let Some(i) = best_of(seed, &|_| true).filter(|i| usable(*i)) {
+    let mut last = 0;
+    for seed in seeds.by_ref() {
+        last = seed;
+        if let Some(i) = best_of(cs, seed, &|_| true).filter(|i| usable(*i)) {
             return Some(i);
         }
     }
-    best_of(seeds(slot).next().unwrap_or(0) ^ 0xfa11_bac4, &usable)
+    best_of(cs, mix(last), &usable)
 }
 
 /// Where a PG stands under a map.

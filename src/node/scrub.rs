@@ -245,7 +245,7 @@ impl Scrub {
             node,
             cursor: c.cursor.clone(),
             totals: self.counts.snapshot(),
-            last_pass: c.last_pass.clone(),
+            last_pass: c.last_pass,
         }
     }
 
