@@ -8,6 +8,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use nvstore::cluster_cmd::{LocalCluster, LocalOptions};
+use nvstore::config::{write_toml, NodeConfig};
 use nvstore::node::scrub::{locate_request, ScrubStats};
 use nvstore::placement::{pg_of, Acting};
 use nvstore::scrub_cmd::scrub_call;
@@ -242,6 +243,9 @@ fn flipped_bits_are_never_read_and_scrub_repairs_them() {
         "{last:?}"
     );
 
+    // A pass interrupted by a crash resumes at its saved cursor.
+    resume_after_crash(&h, pool);
+
     // With two nodes gone, every object still decodes to its exact bytes.
     h.lc.stop_member("node.2", true).unwrap();
     h.lc.stop_member("node.5", true).unwrap();
@@ -260,4 +264,70 @@ fn flipped_bits_are_never_read_and_scrub_repairs_them() {
             "{name} with nodes 2 and 5 down"
         );
     }
+}
+
+/// Slow one node's scrub down, start a pass, kill the node once the pass saved a cursor past
+/// its first object, restart it (fast again) and check that it resumed there and finished.
+fn resume_after_crash(h: &Harness, pool: u64) {
+    let c = &h.client;
+    let map = c.map();
+    let p = &map.pools[&pool];
+    let mut led = std::collections::BTreeMap::<u32, u32>::new();
+    for pg in 0..p.pg_num {
+        *led.entry(Acting::compute(&map, p, pg).primary.unwrap())
+            .or_default() += 1;
+    }
+    let node = *led.iter().max_by_key(|(_, n)| **n).unwrap().0;
+    let member = format!("node.{node}");
+    let conf = h.lc.dir.join(&member).join("node.toml");
+    let set_rate = |bps: u64| {
+        let mut cfg = NodeConfig::load(&conf).unwrap();
+        cfg.scrub_bytes_per_sec = bps;
+        write_toml(&conf, &cfg).unwrap();
+    };
+    let restart = || {
+        h.lc.stop_member(&member, true).unwrap();
+        h.lc.start_member(&member).unwrap();
+        let t = Instant::now();
+        while scrub_call(c, node, 0).is_err() {
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "{member} did not come back"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    set_rate(64 << 10);
+    restart();
+    let passes = scrub_call(c, node, 1).unwrap().totals.passes;
+    let t = Instant::now();
+    let saved = loop {
+        let text = std::fs::read_to_string(h.lc.dir.join(&member).join("scrub.json"));
+        let cursor = text
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|v| v["cursor"]["after_hex"].as_str().map(str::to_string))
+            .filter(|a| !a.is_empty());
+        if let Some(a) = cursor {
+            break a;
+        }
+        assert!(t.elapsed() < Duration::from_secs(20), "no cursor saved");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    set_rate(32 << 20);
+    restart();
+    let t = Instant::now();
+    while scrub_call(c, node, 0).unwrap().totals.passes <= passes {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "resumed pass never ended"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = std::fs::read_to_string(h.lc.dir.join(format!("{member}.log"))).unwrap();
+    println!("{member}: killed mid-pass with cursor after {saved:?}; restarted, resumed, done");
+    assert!(
+        log.contains(&format!("pass resumes from pool {pool} after {saved:?}")),
+        "{member} did not resume after {saved:?}"
+    );
 }
