@@ -243,14 +243,16 @@ fn flipped_bits_are_never_read_and_scrub_repairs_them() {
     // corrupt shard) and repair them after replying.
     let before = totals(c);
     let mut hit = BTreeSet::new();
+    let mut nodes_hit = BTreeSet::new();
     while hit.len() < 6 {
         let o = rng.gen_range(0..OBJECTS);
         if hit.iter().any(|(x, _)| *x == o) {
             continue;
         }
         let slot = rng.gen_range(0..K as usize);
-        if flip(c, pool, &objects[o].0, slot, &mut rng).is_some() {
+        if let Some(n) = flip(c, pool, &objects[o].0, slot, &mut rng) {
             hit.insert((o, slot));
+            nodes_hit.insert(n);
         }
     }
     for (name, data) in &objects {
@@ -281,6 +283,15 @@ fn flipped_bits_are_never_read_and_scrub_repairs_them() {
         0,
         "{last:?}"
     );
+
+    // A node whose device held flipped bits restarts (repairs checkpoint the store, so the
+    // bad copies are not in the log it replays).
+    let n = *nodes_hit.iter().next().unwrap();
+    restart(&h, n);
+    println!("node.{n} (had flipped bits) restarted");
+    for (name, data) in &objects {
+        assert!(c.get(pool, name.as_bytes()).unwrap() == *data, "{name}");
+    }
 
     // With two nodes gone, every object still decodes to its exact bytes.
     h.lc.stop_member("node.2", true).unwrap();
@@ -321,27 +332,7 @@ fn resume_after_crash(h: &Harness, pool: u64) {
         cfg.scrub_bytes_per_sec = bps;
         write_toml(&conf, &cfg).unwrap();
     };
-    let restart = || {
-        let old = c.map().nodes[&node].addr;
-        h.lc.stop_member(&member, true).unwrap();
-        h.lc.start_member(&member).unwrap();
-        // It registers a new port; wait for the map to show it.
-        let t = Instant::now();
-        while c.map().nodes[&node].addr == old || !c.map().nodes[&node].up {
-            if t.elapsed() > Duration::from_secs(30) {
-                let log = std::fs::read_to_string(h.lc.dir.join(format!("{member}.log")));
-                let log = log.unwrap_or_default();
-                let tail: Vec<&str> = log.lines().rev().take(15).collect();
-                panic!(
-                    "{member} did not come back: {:?}\n{}",
-                    c.map().nodes[&node],
-                    tail.join("\n")
-                );
-            }
-            let _ = c.refresh_map();
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    };
+    let restart = || restart(h, node);
     set_rate(64 << 10);
     restart();
     let passes = scrub_call(c, node, 1).unwrap().totals.passes;
@@ -375,4 +366,28 @@ fn resume_after_crash(h: &Harness, pool: u64) {
         log.contains(&format!("pass resumes from pool {pool} after {saved:?}")),
         "{member} did not resume after {saved:?}"
     );
+}
+
+/// Kill a node and start it again; wait until the map shows it up at its new port.
+fn restart(h: &Harness, node: u32) {
+    let c = &h.client;
+    let member = format!("node.{node}");
+    let old = c.map().nodes[&node].addr;
+    h.lc.stop_member(&member, true).unwrap();
+    h.lc.start_member(&member).unwrap();
+    let t = Instant::now();
+    while c.map().nodes[&node].addr == old || !c.map().nodes[&node].up {
+        if t.elapsed() > Duration::from_secs(30) {
+            let log = std::fs::read_to_string(h.lc.dir.join(format!("{member}.log")));
+            let log = log.unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(15).collect();
+            panic!(
+                "{member} did not come back: {:?}\n{}",
+                c.map().nodes[&node],
+                tail.join("\n")
+            );
+        }
+        let _ = c.refresh_map();
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
