@@ -12,7 +12,7 @@
 //! Rate: `scrub_bytes_per_sec` of shard bytes read (node config). Schedule: a pass every
 //! `scrub_interval_s` (0: only on request, `nvstore scrub start`). Resumable: the cursor
 //! (pool, PG and last object name) and the counters are saved in `<data_dir>/scrub.json`
-//! about once a second and at the end of a pass; a restarted node continues from there.
+//! at most every 100 ms and at the end of a pass; a restarted node continues from there.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -33,8 +33,9 @@ use crate::wire::{self, Dec, Enc, Status};
 
 /// Names listed from the local stores per step of a pass.
 const LIST_BATCH: usize = 256;
-/// How often a running pass saves its cursor.
-const CURSOR_SAVE_PERIOD: Duration = Duration::from_secs(1);
+/// How often (at most) a running pass saves its cursor: a small file, so often enough that a
+/// slow, rate-limited pass loses little when the node stops.
+const CURSOR_SAVE_PERIOD: Duration = Duration::from_millis(100);
 /// Longest sleep of the idle scrub thread before it looks at its schedule again.
 const IDLE_WAIT_MAX: Duration = Duration::from_secs(30);
 /// Longest wait for a PG's turn (busy PGs are skipped and scrubbed next pass).
@@ -482,14 +483,14 @@ impl Node {
                     }
                     cur.pg = pg;
                     cur.after_hex = hex(&name);
+                    let due = Duration::from_secs_f64(read as f64 / rate);
+                    if let Some(w) = due.checked_sub(t0.elapsed()) {
+                        std::thread::sleep(w);
+                    }
                     if saved.elapsed() >= CURSOR_SAVE_PERIOD {
                         self.scrub.control.lock().unwrap().cursor = Some(cur.clone());
                         self.scrub.save(self.id);
                         saved = Instant::now();
-                    }
-                    let due = Duration::from_secs_f64(read as f64 / rate);
-                    if let Some(w) = due.checked_sub(t0.elapsed()) {
-                        std::thread::sleep(w);
                     }
                 }
             }
