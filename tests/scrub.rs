@@ -284,6 +284,18 @@ fn flipped_bits_are_never_read_and_scrub_repairs_them() {
         "{last:?}"
     );
 
+    // Parity that disagrees with its data while every crc is fine (a bad write, say): the
+    // scrub names the stripes and rewrites the parity from the data.
+    let (name, _) = &objects[0];
+    let stripes = zero_parity(&h, pool, name);
+    let pass = scrub_pass(&h);
+    println!("parity shard zeroed in {stripes} stripe(s) of {name}: scrub pass {pass:?}");
+    assert_eq!(pass.parity_errors, stripes, "{pass:?}");
+    assert_eq!(pass.repaired, 1, "{pass:?}");
+    assert_eq!(pass.crc_errors + pass.unrepairable, 0, "{pass:?}");
+    let again = scrub_pass(&h);
+    assert_eq!(again.parity_errors + again.repaired, 0, "{again:?}");
+
     // A node whose device held flipped bits restarts (repairs checkpoint the store, so the
     // bad copies are not in the log it replays).
     let n = *nodes_hit.iter().next().unwrap();
@@ -390,4 +402,64 @@ fn restart(h: &Harness, node: u32) {
         let _ = c.refresh_map();
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// Replace the first parity shard of `name` by zeros, at its version, with a valid crc (a
+/// raw `SHARD_REPAIR` as if from the primary). Returns the number of stripes it spans.
+fn zero_parity(h: &Harness, pool: u64, name: &str) -> u64 {
+    use messenger::{Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret};
+    use nvstore::node::local::{ShardMeta, ShardWrite, WriteKind, BASE_ANY};
+    struct Nothing;
+    impl Dispatcher for Nothing {
+        fn handle(&self, _m: Incoming) {}
+    }
+    let c = &h.client;
+    let map = c.map();
+    let p = &map.pools[&pool];
+    let a = Acting::compute(&map, p, pg_of(p, name.as_bytes()));
+    let st = c.stat(pool, name.as_bytes()).unwrap();
+    let (u, w) = (UNIT as u64, (K * UNIT) as u64);
+    let len = st.size / w * u + (st.size % w).min(u);
+    let zeros = vec![0u8; len as usize];
+    let write = ShardWrite {
+        pool,
+        pg: a.pg,
+        name: name.as_bytes(),
+        shard: K as u8,
+        kind: WriteKind::Full,
+        base_version: BASE_ANY,
+        meta: ShardMeta {
+            version: st.version,
+            size: st.size,
+            mtime_unix_ns: st.mtime_unix_ns,
+            deleted: false,
+        },
+        offset: 0,
+        xattrs: vec![],
+        data: &zeros,
+    };
+    let mut payload = write.encode_header(map.epoch);
+    payload.extend_from_slice(&zeros);
+    let secret = Secret::load(&h.lc.dir.join("cluster.key")).unwrap();
+    let primary = a.primary.unwrap();
+    let m = Messenger::new(
+        messenger::Config::default(),
+        Identity::Node(primary),
+        secret,
+        std::sync::Arc::new(Nothing),
+    )
+    .unwrap();
+    let target = a.members[K as usize].unwrap();
+    let conn = m
+        .connect(map.nodes[&target].addr, Identity::Node(target))
+        .unwrap();
+    let r = conn
+        .request(
+            OutMessage::new(wire::MSG_SHARD_REPAIR, payload),
+            Duration::from_secs(10),
+        )
+        .unwrap();
+    wire::parse_reply(&r.payload).unwrap();
+    m.shutdown();
+    len.div_ceil(u)
 }
