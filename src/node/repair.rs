@@ -179,19 +179,21 @@ impl Node {
                 version: st.version,
                 slots,
             });
+            self.scrub.has_pending.store(true, Relaxed);
         }
     }
 
     /// Rewrite the corrupt shards reads of this PG met (run by the op thread after the reply,
     /// while it still holds the PG, so no client op of the PG runs meanwhile).
     pub(super) fn run_read_repairs(&self, key: (u64, u32)) {
+        if !self.scrub.has_pending.load(Relaxed) {
+            return;
+        }
         let mine: Vec<PendingRepair> = {
             let mut p = self.scrub.pending.lock().unwrap();
-            if p.is_empty() {
-                return;
-            }
-            let (mine, rest) = p.drain(..).partition(|r| (r.pool, r.pg) == key);
+            let (mine, rest): (Vec<_>, Vec<_>) = p.drain(..).partition(|r| (r.pool, r.pg) == key);
             *p = rest;
+            self.scrub.has_pending.store(!p.is_empty(), Relaxed);
             mine
         };
         for r in mine {

@@ -16,7 +16,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -205,6 +205,8 @@ struct Control {
 /// A node's scrub state.
 pub struct Scrub {
     pub(super) pending: Mutex<Vec<PendingRepair>>,
+    /// `pending` is not empty (checked without the lock after every client op).
+    pub(super) has_pending: AtomicBool,
     pub counts: Counts,
     control: Mutex<Control>,
     wake: Condvar,
@@ -228,6 +230,7 @@ impl Scrub {
         counts.load(&saved.totals);
         Scrub {
             pending: Mutex::new(Vec::new()),
+            has_pending: AtomicBool::new(false),
             counts,
             control: Mutex::new(Control {
                 cursor: saved.cursor,
