@@ -5,7 +5,7 @@
 //! and in arrival order); `node-op-N` threads run client ops, one PG at a time per thread, in
 //! each PG's arrival order; `node-shard-N` threads apply shard ops against the local stores
 //! (they block on group commit, so there are several); `node-heartbeat` reports to the
-//! monitors.
+//! monitors; `node-scrub` runs the background scrub (`scrub.rs`).
 
 pub mod identity;
 pub mod local;
