@@ -80,6 +80,11 @@ pub enum Command {
     SlowOps(crate::admin::NodeArg),
     /// Start an 8-node local cluster, write, kill nodes, read degraded, heal, clean up
     Demo(crate::demo::DemoArgs),
+    /// Scrub: start a pass now, show counters, locate a shard on its device
+    Scrub {
+        #[command(subcommand)]
+        cmd: crate::scrub_cmd::ScrubCommand,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -139,5 +144,6 @@ pub fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
         Command::Perf { cmd } => crate::admin::run_perf(cmd)?,
         Command::SlowOps(a) => crate::admin::run_slow_ops(a)?,
         Command::Demo(a) => crate::demo::run(a)?,
+        Command::Scrub { cmd } => crate::scrub_cmd::run(cmd)?,
     })
 }

@@ -143,6 +143,8 @@ impl LocalCluster {
                     busy_poll_us: 20,
                     slow_op_ms: o.slow_op_ms,
                     metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], free_port()?))),
+                    scrub_bytes_per_sec: 32 << 20,
+                    scrub_interval_s: 7 * 24 * 3600,
                 },
             )?;
         }
@@ -564,6 +566,17 @@ fn human(b: f64) -> String {
     format!("{v:.1} {}", units[i])
 }
 
+/// "N s ago" for a unix time, "never" for 0.
+pub fn ago(unix: u64) -> String {
+    if unix == 0 {
+        return "never".into();
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    format!("{} s ago", now.saturating_sub(unix))
+}
+
 /// `nvstore status` as text.
 pub fn render_status(s: &crate::monitor::StatusReport) -> String {
     let mut o = String::new();
@@ -608,6 +621,26 @@ pub fn render_status(s: &crate::monitor::StatusReport) -> String {
         states.join(", ")
     });
     o += "\n";
+    let sc = &s.scrub;
+    o += &format!(
+        "    scrub:  {} objects, {} read; {} crc errors, {} missing/stale, {} parity; {} \
+         repaired, {} unrepairable; reads met {} corrupt shards, repaired {}; last complete \
+         pass on every node: {}\n",
+        sc.objects,
+        human(sc.bytes as f64),
+        sc.crc_errors,
+        sc.missing,
+        sc.parity_errors,
+        sc.repaired,
+        sc.unrepairable,
+        sc.read_corrupt,
+        sc.read_repaired,
+        if sc.passes == 0 {
+            "never".into()
+        } else {
+            ago(sc.last_complete_unix)
+        }
+    );
     o += &format!(
         "\n  io:\n    client: {}/s rd, {}/s wr, {:.0} op/s rd, {:.0} op/s wr\n",
         human(s.io.read_bytes_s),

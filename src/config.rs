@@ -72,6 +72,9 @@ impl MonitorConfig {
 /// `node.toml`: one storage node.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct NodeConfig {
+    /// Node id; 0 or absent: take it from the devices' labels (a node's identity travels
+    /// with its disks).
+    #[serde(default)]
     pub id: u32,
     /// Failure domain name.
     pub host: String,
@@ -106,12 +109,25 @@ pub struct NodeConfig {
     /// Serve Prometheus metrics (`GET /metrics`) here; off when unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Background scrub read rate, shard bytes per second.
+    #[serde(default = "default_scrub_bytes_per_sec")]
+    pub scrub_bytes_per_sec: u64,
+    /// Start a scrub pass this long after the last one completed (0: only when asked, with
+    /// `nvstore scrub start`).
+    #[serde(default = "default_scrub_interval_s")]
+    pub scrub_interval_s: u64,
 }
 
 /// 5 s: far above a healthy op (milliseconds) yet clear of the stalls a busy shared test
 /// machine shows; an op this slow is worth a health warning.
 fn default_slow_op_ms() -> u64 {
     5000
+}
+fn default_scrub_bytes_per_sec() -> u64 {
+    32 << 20
+}
+fn default_scrub_interval_s() -> u64 {
+    7 * 24 * 3600
 }
 
 fn default_busy_poll_us() -> u64 {

@@ -25,3 +25,4 @@ pub mod ops;
 pub mod optrack;
 pub mod prom;
 pub mod queue;
+pub mod scrub_cmd;

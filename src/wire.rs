@@ -30,6 +30,12 @@ pub const MSG_SHARD_ROLLBACK: u16 = 33;
 pub const MSG_ADMIN_PERF_DUMP: u16 = 50;
 pub const MSG_ADMIN_PERF_RESET: u16 = 51;
 pub const MSG_ADMIN_SLOW_OPS: u16 = 52;
+/// Replace a shard at a version with reconstructed bytes (scrub and read repair).
+pub const MSG_SHARD_REPAIR: u16 = 70;
+/// Scrub control: start a pass now, or report the node's scrub state (JSON).
+pub const MSG_NODE_SCRUB: u16 = 71;
+/// Where a shard's data chunks sit on the node's device (tests and `nvstore scrub locate`).
+pub const MSG_NODE_LOCATE: u16 = 72;
 /// Every reply uses this type; its body starts with a [`Status`].
 pub const MSG_REPLY: u16 = 99;
 
@@ -62,6 +68,9 @@ pub enum Status {
     TimedOut = 15,
     NotLeader = 16,
     Internal = 17,
+    /// A stored checksum did not match: the message names device, byte offset and the
+    /// expected and found crc32c. The primary reads around the shard and repairs it.
+    Corrupted = 18,
 }
 
 impl Status {
@@ -86,6 +95,7 @@ impl Status {
             TimedOut,
             NotLeader,
             Internal,
+            Corrupted,
         ]
         .get(v as usize)
         .copied()
@@ -113,6 +123,7 @@ impl Status {
             TimedOut => "timed out",
             NotLeader => "not the monitor leader",
             Internal => "internal error",
+            Corrupted => "corrupt shard",
         }
     }
 }

@@ -55,6 +55,9 @@ pub struct NodeStats {
     /// The longest of those, in milliseconds.
     #[serde(default)]
     pub slow_longest_ms: u64,
+    /// Scrub and repair counters (docs/architecture.md, "Scrub and repair").
+    #[serde(default)]
+    pub scrub: crate::node::scrub::ScrubStats,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
@@ -84,6 +87,10 @@ pub struct StatusReport {
     pub used_bytes: u64,
     pub capacity_bytes: u64,
     pub io: IoRates,
+    /// Scrub and repair counters summed over the up nodes; `last_complete_unix` is the
+    /// oldest node's last complete pass.
+    #[serde(default)]
+    pub scrub: crate::node::scrub::ScrubStats,
 }
 
 struct Seen {
@@ -416,6 +423,7 @@ impl Monitor {
         let seen = self.seen.lock().unwrap();
         let mut io = IoRates::default();
         let (mut shards, mut used, mut cap) = (0, 0, 0);
+        let mut scrub = crate::node::scrub::ScrubStats::default();
         for n in map.nodes.values().filter(|n| n.up) {
             if let Some(s) = seen.get(&n.id) {
                 io.read_ops_s += s.rates.read_ops_s;
@@ -423,6 +431,7 @@ impl Monitor {
                 io.read_bytes_s += s.rates.read_bytes_s;
                 io.write_bytes_s += s.rates.write_bytes_s;
                 shards += s.stats.shards;
+                scrub.add(&s.stats.scrub);
                 used += s.stats.used_bytes;
                 cap += s.stats.capacity_bytes;
             }
@@ -466,6 +475,7 @@ impl Monitor {
             used_bytes: used,
             capacity_bytes: cap,
             io,
+            scrub,
         }
     }
 }

@@ -5,11 +5,14 @@
 //! and in arrival order); `node-op-N` threads run client ops, one PG at a time per thread, in
 //! each PG's arrival order; `node-shard-N` threads apply shard ops against the local stores
 //! (they block on group commit, so there are several); `node-heartbeat` reports to the
-//! monitors.
+//! monitors; `node-scrub` runs the background scrub (`scrub.rs`).
 
+pub mod identity;
 pub mod local;
 pub mod perf;
 pub mod primary;
+pub mod repair;
+pub mod scrub;
 
 use std::collections::{HashMap, VecDeque};
 use std::path::Path;
@@ -79,6 +82,7 @@ pub struct Node {
     pub counters: Counters,
     /// Op tracking, slow ops, counters of every subsystem (`perf dump`, metrics).
     pub perf: perf::Perf,
+    pub scrub: scrub::Scrub,
 }
 
 struct NodeDispatcher {
@@ -95,6 +99,7 @@ impl Dispatcher for NodeDispatcher {
                 | wire::MSG_SHARD_READ
                 | wire::MSG_SHARD_STAT
                 | wire::MSG_SHARD_ROLLBACK
+                | wire::MSG_SHARD_REPAIR
         )
     }
 
@@ -119,7 +124,8 @@ impl Dispatcher for NodeDispatcher {
             wire::MSG_SHARD_WRITE
             | wire::MSG_SHARD_READ
             | wire::MSG_SHARD_STAT
-            | wire::MSG_SHARD_ROLLBACK => node.enqueue_shard_op(msg),
+            | wire::MSG_SHARD_ROLLBACK
+            | wire::MSG_SHARD_REPAIR => node.enqueue_shard_op(msg),
             t => {
                 let r = match t {
                     wire::MSG_CLIENT_STAGE => node.stage(&msg),
@@ -127,6 +133,8 @@ impl Dispatcher for NodeDispatcher {
                     wire::MSG_ADMIN_PERF_DUMP
                     | wire::MSG_ADMIN_PERF_RESET
                     | wire::MSG_ADMIN_SLOW_OPS => node.admin(&msg),
+                    wire::MSG_NODE_SCRUB => node.scrub_control(&msg),
+                    wire::MSG_NODE_LOCATE => node.locate(&msg),
                     _ => Err(Error::Malformed(format!("unknown message type {t}"))),
                 };
                 node.reply(&mut msg, r);
@@ -256,6 +264,8 @@ impl Node {
                     self.run_client_op(&job, &cache)
                 };
                 self.finish_op(&mut job, &op, r);
+                // Still holding the PG: rewrite corrupt shards the op's reads met.
+                self.run_read_repairs(key);
             }
         }
     }
@@ -276,6 +286,7 @@ impl Node {
             wire::MSG_SHARD_WRITE => "shard_write",
             wire::MSG_SHARD_READ => "shard_read",
             wire::MSG_SHARD_STAT => "shard_stat",
+            wire::MSG_SHARD_REPAIR => "shard_repair",
             _ => "shard_rollback",
         };
         let desc = {
@@ -341,6 +352,12 @@ impl Node {
                 let w = ShardWrite::decode(&mut d)?;
                 self.check_shard_sender(msg, epoch, w.pool, w.pg)?;
                 self.local.apply(&w)?;
+                Ok(vec![SendBuf::Vec(wire::reply_ok(self.epoch(), &[]))])
+            }
+            wire::MSG_SHARD_REPAIR => {
+                let w = ShardWrite::decode(&mut d)?;
+                self.check_shard_sender(msg, epoch, w.pool, w.pg)?;
+                self.local.repair(&w)?;
                 Ok(vec![SendBuf::Vec(wire::reply_ok(self.epoch(), &[]))])
             }
             t => {
@@ -473,7 +490,47 @@ impl Node {
             capacity_bytes: cap,
             slow_ops,
             slow_longest_ms,
+            scrub: self.scrub.counts.snapshot(),
         }
+    }
+
+    /// Run `f` holding a PG's turn: no client op of the PG runs meanwhile (ops that arrive
+    /// queue up and run after). Waits up to `wait` for the turn; `None` if it never came.
+    pub(crate) fn with_pg<T>(
+        &self,
+        key: (u64, u32),
+        wait: Duration,
+        f: impl FnOnce() -> T,
+    ) -> Option<T> {
+        let deadline = Instant::now() + wait;
+        loop {
+            {
+                let mut pgs = self.pgs.lock().unwrap();
+                let slot = pgs.entry(key).or_insert_with(|| PgSlot {
+                    queue: VecDeque::new(),
+                    running: false,
+                    cache: Arc::new(Mutex::new(PgCache::default())),
+                });
+                if !slot.running {
+                    slot.running = true;
+                    break;
+                }
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let r = f();
+        let mut pgs = self.pgs.lock().unwrap();
+        let slot = pgs.get_mut(&key).expect("held PG has a slot");
+        if slot.queue.is_empty() {
+            slot.running = false;
+        } else {
+            // Ops queued meanwhile: hand the PG (still marked running) to an op thread.
+            self.run_q.push(key);
+        }
+        Some(r)
     }
 
     fn heartbeat_loop(self: Arc<Self>) {
@@ -534,7 +591,8 @@ fn open_devices(cfg: &NodeConfig, fsid: &[u8; 16]) -> Result<Vec<Store<FileDevic
 }
 
 /// Start a node; returns once it has registered with the monitors.
-pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
+pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
+    cfg.id = identity::node_identity(&cfg)?;
     let secret = Secret::load(&cfg.key_file)?;
     std::fs::create_dir_all(&cfg.data_dir)
         .map_err(|e| Error::io(format!("data dir {}", cfg.data_dir.display()), e))?;
@@ -586,6 +644,7 @@ pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
         codecs: Mutex::new(HashMap::new()),
         counters: Counters::default(),
         perf: perf::Perf::new(Duration::from_millis(cfg.slow_op_ms)),
+        scrub: scrub::Scrub::load(&cfg.data_dir),
     });
     let _ = node.msgr.set(msgr.clone());
     let _ = disp.node.set(node.clone());
@@ -625,6 +684,11 @@ pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
     std::thread::Builder::new()
         .name("node-heartbeat".into())
         .spawn(move || n.heartbeat_loop())
+        .map_err(|e| Error::io("spawn", e))?;
+    let n = node.clone();
+    std::thread::Builder::new()
+        .name("node-scrub".into())
+        .spawn(move || n.scrub_loop())
         .map_err(|e| Error::io("spawn", e))?;
     info!("node {} up at {addr}, map epoch {}", cfg.id, r.epoch);
     if !monc.map().nodes.contains_key(&cfg.id) {

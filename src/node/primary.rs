@@ -82,17 +82,17 @@ pub struct Ctx {
 }
 
 impl Ctx {
-    fn k(&self) -> usize {
+    pub(super) fn k(&self) -> usize {
         self.pool.k as usize
     }
-    fn n(&self) -> usize {
+    pub(super) fn n(&self) -> usize {
         self.pool.size()
     }
-    fn up(&self, slot: usize) -> Option<u32> {
+    pub(super) fn up(&self, slot: usize) -> Option<u32> {
         self.acting.members[slot].filter(|n| self.map.is_up(*n))
     }
     /// Bytes of shard `slot` that are not padding.
-    fn clip(&self, slot: usize, size: u64) -> u64 {
+    pub(super) fn clip(&self, slot: usize, size: u64) -> u64 {
         if size == 0 {
             return 0;
         }
@@ -108,7 +108,7 @@ fn now_ns() -> u64 {
         .map_or(0, |d| d.as_nanos() as u64)
 }
 
-fn bit(slot: usize) -> u64 {
+pub(super) fn bit(slot: usize) -> u64 {
     1u64 << slot
 }
 
@@ -277,7 +277,7 @@ impl Node {
 
     /// Send one shard request per (slot, parts) and collect the replies; the slot on this
     /// node runs `local` here, after the remote requests are on their way.
-    fn fan_out(
+    pub(super) fn fan_out(
         &self,
         ctx: &Ctx,
         msg_type: u16,
@@ -345,7 +345,10 @@ impl Node {
     }
 
     /// The local half of a small shard request (stat, read, rollback).
-    fn local_small(&self, msg_type: u16) -> impl Fn(usize, Vec<SendBuf>) -> Result<Payload> + '_ {
+    pub(super) fn local_small(
+        &self,
+        msg_type: u16,
+    ) -> impl Fn(usize, Vec<SendBuf>) -> Result<Payload> + '_ {
         move |_slot, parts: Vec<SendBuf>| {
             let body: Vec<u8> = parts
                 .iter()
@@ -388,7 +391,7 @@ impl Node {
         Ok(e.finish())
     }
 
-    fn shard_req_head(&self, ctx: &Ctx, name: &[u8], slot: usize) -> Enc {
+    pub(super) fn shard_req_head(&self, ctx: &Ctx, name: &[u8], slot: usize) -> Enc {
         let mut e = Enc::new(ctx.map.epoch);
         e.u64(ctx.pool.id).u32(ctx.pg).bytes(name).u8(slot as u8);
         e
@@ -396,7 +399,7 @@ impl Node {
 
     // ---- resolve --------------------------------------------------------------------------
 
-    fn resolve(&self, ctx: &Ctx, c: &mut PgCache, name: &[u8]) -> Result<ObjState> {
+    pub(super) fn resolve(&self, ctx: &Ctx, c: &mut PgCache, name: &[u8]) -> Result<ObjState> {
         if let Some(s) = c.objs.get(name) {
             return Ok(s.clone());
         }
@@ -505,7 +508,7 @@ impl Node {
 
     /// Fetch shard ranges (slot, offset, len) at the object's version, clipped to the shard's
     /// meaningful bytes and zero-padded to `len`.
-    fn fetch(
+    pub(super) fn fetch(
         &self,
         ctx: &Ctx,
         name: &[u8],
@@ -553,7 +556,7 @@ impl Node {
     }
 
     /// Object bytes `[offset, offset + len)` (clamped to the size), degraded when needed.
-    fn read_range(
+    pub(super) fn read_range(
         &self,
         ctx: &Ctx,
         name: &[u8],
@@ -565,9 +568,19 @@ impl Node {
             return Ok(Vec::new());
         }
         // A shard that fails to answer is read around (degraded), as long as k others can.
+        // A corrupt one is also repaired after the op (`repair::note_corrupt`).
         let mut excluded = 0u64;
+        let mut corrupt = 0u64;
         loop {
-            match self.read_range_without(ctx, name, st, offset, len, excluded) {
+            let r = self.read_range_without(ctx, name, st, offset, len, excluded);
+            if let Err(Error::FetchFailed(slot, e)) = &r {
+                if e.status() == Status::Corrupted {
+                    corrupt |= bit(*slot);
+                }
+            } else if r.is_ok() && corrupt != 0 {
+                self.note_corrupt(ctx, name, st, corrupt);
+            }
+            match r {
                 Err(Error::Remote {
                     status: Status::VersionMismatch,
                     message,
@@ -906,11 +919,15 @@ impl Node {
         {
             return Ok(None);
         }
-        let old: HashMap<usize, Vec<u8>> = self
-            .fetch(ctx, name, st, &want)?
-            .into_iter()
-            .map(|(s, f)| (s, f.padded()))
-            .collect();
+        // A shard that cannot be read (corrupt, gone) leaves it to the read-modify-write,
+        // which reads around it.
+        let old: HashMap<usize, Vec<u8>> = match self.fetch(ctx, name, st, &want) {
+            Err(Error::FetchFailed(..)) => return Ok(None),
+            r => r?,
+        }
+        .into_iter()
+        .map(|(s, f)| (s, f.padded()))
+        .collect();
         let mut new: BTreeMap<usize, Vec<u8>> = ranges
             .iter()
             .map(|(j, (lo, hi))| (*j, vec![0u8; (hi - lo) as usize]))
@@ -1137,7 +1154,7 @@ impl Node {
 
 /// A shard range as read: the bytes the member returned (clipped to the shard's meaningful
 /// length; a view of the reply, not a copy) and the logical length, zeros past the bytes.
-struct Fetched {
+pub(super) struct Fetched {
     data: Payload,
     len: usize,
 }
@@ -1159,7 +1176,7 @@ impl Fetched {
         out[have..].fill(0);
     }
 
-    fn padded(&self) -> Vec<u8> {
+    pub(super) fn padded(&self) -> Vec<u8> {
         let mut v = vec![0u8; self.len];
         self.copy_into(0, &mut v);
         v
