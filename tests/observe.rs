@@ -531,6 +531,7 @@ fn counters_slow_ops_metrics_and_thread_names() {
             "node-op-",
             "node-shard-",
             "node-heartbeat",
+            "node-scrub",
             "node-metrics",
             "monc-poll",
             "store-",
