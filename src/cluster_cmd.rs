@@ -39,6 +39,8 @@ pub struct LocalOptions {
     pub heartbeat_ms: u64,
     pub write_wait_ms: u64,
     pub op_threads: usize,
+    /// Nodes' `read_coalescing` switch.
+    pub read_coalescing: bool,
 }
 
 impl Default for LocalOptions {
@@ -52,6 +54,7 @@ impl Default for LocalOptions {
             heartbeat_ms: 500,
             write_wait_ms: 10_000,
             op_threads: 8,
+            read_coalescing: true,
         }
     }
 }
@@ -137,6 +140,8 @@ impl LocalCluster {
                     op_threads: o.op_threads,
                     write_wait_ms: o.write_wait_ms,
                     busy_poll_us: 20,
+                    read_coalescing: o.read_coalescing,
+                    hot_cache_bytes: crate::node::hot::CACHE_BYTES_DEFAULT,
                 },
             )?;
         }
@@ -599,6 +604,20 @@ pub fn render_status(s: &crate::monitor::StatusReport) -> String {
         s.io.read_ops_s,
         s.io.write_ops_s
     );
+    if !s.hot_objects.is_empty() {
+        o += "\n  hot objects:\n";
+        for h in &s.hot_objects {
+            let pool = s
+                .pools
+                .iter()
+                .find(|p| p.id == h.pool)
+                .map_or_else(|| h.pool.to_string(), |p| p.name.clone());
+            o += &format!(
+                "    {pool}/{}: {:.0} op/s from {} client(s), coalesced {:.0} % (primary node {})\n",
+                h.name, h.ops_s, h.clients, h.coalesced_pct, h.node
+            );
+        }
+    }
     o
 }
 

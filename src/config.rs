@@ -96,6 +96,20 @@ pub struct NodeConfig {
     /// node processes may share few cores.
     #[serde(default = "default_busy_poll_us")]
     pub busy_poll_us: u64,
+    /// Serve concurrent reads of one object with one fetch, and cache hot objects' bytes
+    /// (`node/hot.rs`). Off only to measure what it buys.
+    #[serde(default = "default_true")]
+    pub read_coalescing: bool,
+    /// Bytes of hot objects' data a node caches.
+    #[serde(default = "default_hot_cache_bytes")]
+    pub hot_cache_bytes: u64,
+}
+
+fn default_true() -> bool {
+    true
+}
+fn default_hot_cache_bytes() -> u64 {
+    crate::node::hot::CACHE_BYTES_DEFAULT
 }
 
 fn default_busy_poll_us() -> u64 {

@@ -7,6 +7,7 @@
 //! (they block on group commit, so there are several); `node-heartbeat` reports to the
 //! monitors.
 
+pub mod hot;
 pub mod local;
 pub mod primary;
 
@@ -75,6 +76,8 @@ pub struct Node {
     staging: Mutex<HashMap<(Identity, u64), Staged>>,
     codecs: Mutex<HashMap<ec::Profile, Arc<ec::Codec>>>,
     pub counters: Counters,
+    /// Read coalescing, the hot-object cache and detector.
+    pub hot: hot::Hot,
 }
 
 struct NodeDispatcher {
@@ -231,20 +234,21 @@ impl Node {
     fn op_thread(self: Arc<Self>) {
         while let Some(key) = self.run_q.pop() {
             loop {
-                let (job, cache) = {
+                let (jobs, cache) = {
                     let mut pgs = self.pgs.lock().unwrap();
                     let slot = pgs.get_mut(&key).expect("queued PG has a slot");
                     match slot.queue.pop_front() {
-                        Some(j) => (j, slot.cache.clone()),
+                        Some(j) if self.hot.enabled => {
+                            (hot::take_batch(j, &mut slot.queue), slot.cache.clone())
+                        }
+                        Some(j) => (vec![j], slot.cache.clone()),
                         None => {
                             slot.running = false;
                             break;
                         }
                     }
                 };
-                let mut job = job;
-                let r = self.run_client_op(&job, &cache);
-                self.reply_parts(&mut job, r);
+                self.run_jobs(jobs, &cache);
             }
         }
     }
@@ -415,6 +419,7 @@ impl Node {
             used += sp.live_bytes;
             cap += sp.segments_total * sp.segment_bytes;
         }
+        let msgr = self.msgr().stats();
         NodeStats {
             read_ops: self.counters.read_ops.load(Relaxed),
             write_ops: self.counters.write_ops.load(Relaxed),
@@ -423,6 +428,17 @@ impl Node {
             shards: self.local.shard_count(),
             used_bytes: used,
             capacity_bytes: cap,
+            hot: self.hot.hottest(),
+            batched_ops: self.hot.counters.batched_ops.load(Relaxed),
+            coalesced_reads: self.hot.counters.coalesced_reads.load(Relaxed),
+            cache_hits: self.hot.counters.cache_hits.load(Relaxed),
+            read_fetches: self.hot.counters.read_fetches.load(Relaxed),
+            msgr_iterations: msgr.total(|w| w.iterations),
+            msgr_empty_iterations: msgr.total(|w| w.empty_iterations),
+            cpu_ns: hot::process_cpu_ns(),
+            at_unix_ns: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
         }
     }
 
@@ -535,6 +551,7 @@ pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
         staging: Mutex::new(HashMap::new()),
         codecs: Mutex::new(HashMap::new()),
         counters: Counters::default(),
+        hot: hot::Hot::new(cfg.read_coalescing, cfg.hot_cache_bytes),
     });
     let _ = node.msgr.set(msgr.clone());
     let _ = disp.node.set(node.clone());
