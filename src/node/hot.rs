@@ -370,6 +370,12 @@ impl DataCache {
         if data.len() > CACHE_ENTRY_BYTES_MAX || n > self.bytes_max {
             return;
         }
+        if let Some(e) = self.entries.get(&(pool, name.to_vec())) {
+            // Keep the wider range of the same version (a whole-object read over a piece).
+            if e.tag == tag && e.data.len() >= data.len() {
+                return;
+            }
+        }
         self.invalidate(pool, name);
         while !self.entries.is_empty()
             && (self.bytes + n > self.bytes_max || self.entries.len() >= CACHE_ENTRIES_MAX)
