@@ -32,6 +32,8 @@ const PROBE_SEARCH_MAX: usize = 20_000;
 /// Every this many hot reads a client compares all bytes (otherwise length and samples).
 const FULL_CHECK_EVERY: u64 = 16;
 const POOL: &str = "hotbench";
+/// How long the set-up waits for restarted nodes to serve.
+const SETUP_WAIT: Duration = Duration::from_secs(60);
 const HOT_NAME: &[u8] = b"hot-object";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -70,6 +72,11 @@ pub struct HotBenchArgs {
     /// Use a running cluster (its nodes' read_coalescing as configured) instead of starting one
     #[arg(short = 'c', long = "conf")]
     pub conf: Option<PathBuf>,
+    /// Run the hot clients (and their messenger threads) at this nice value, as if they were
+    /// on other hosts: on a small machine they otherwise take the CPU the nodes and the probe
+    /// need. 0 keeps them at the probe's priority.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(i32).range(0..=19))]
+    pub client_nice: i32,
     /// Print the result as JSON
     #[arg(long)]
     pub json: bool,
@@ -156,6 +163,7 @@ pub struct HotRun {
     pub probe_errors: u64,
     /// Probe p99 during the storm over idle (goal ≤ 2).
     pub probe_p99_ratio: f64,
+    pub client_nice: i32,
     pub primary_node: u32,
     pub primary_idle: NodeDelta,
     pub primary_storm: NodeDelta,
@@ -189,6 +197,22 @@ fn stats_of(c: &Client, node: u32) -> crate::Result<NodeStats> {
         .unwrap_or_default())
 }
 
+/// The hot clients, connected from a thread at `nice` so their messenger threads inherit it.
+fn hot_clients(conf: &Path, n: u64, nice: i32) -> crate::Result<Vec<Client>> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            if nice > 0 {
+                // SAFETY: setpriority on the calling thread (tid 0 = the caller); no memory
+                // is passed.
+                unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) };
+            }
+            (0..n).map(|_| Client::from_config(conf)).collect()
+        })
+        .join()
+        .expect("connect thread")
+    })
+}
+
 /// Set up the objects (idempotent) and run idle probing, then the storm.
 fn run_once(conf: &Path, a: &HotBenchArgs, label: &str) -> crate::Result<HotRun> {
     let c = Client::from_config(conf)?;
@@ -202,7 +226,14 @@ fn run_once(conf: &Path, a: &HotBenchArgs, label: &str) -> crate::Result<HotRun>
     };
     let mut hot = vec![0u8; a.size as usize];
     rand_chacha::ChaCha8Rng::seed_from_u64(a.size).fill_bytes(&mut hot);
-    c.put(pool, HOT_NAME, &hot)?;
+    // Nodes just restarted may still be marked up from before: retry until they answer.
+    let t = Instant::now();
+    while let Err(e) = c.put(pool, HOT_NAME, &hot) {
+        if t.elapsed() > SETUP_WAIT {
+            return Err(e);
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
     let (primary, hot_pg) = primary_of(&c, pool, HOT_NAME)?;
     // Probe objects: other PGs led by the same node (the incident's victims).
     let mut probes = Vec::new();
@@ -224,9 +255,7 @@ fn run_once(conf: &Path, a: &HotBenchArgs, label: &str) -> crate::Result<HotRun>
             "no probe object name maps to another PG of node {primary}"
         )));
     }
-    let clients: Vec<Client> = (0..a.clients)
-        .map(|_| Client::from_config(conf))
-        .collect::<crate::Result<_>>()?;
+    let clients = hot_clients(conf, a.clients, a.client_nice)?;
     let storm = AtomicBool::new(false);
     let stop_probe = AtomicBool::new(false);
     let stop_hot = AtomicBool::new(false);
@@ -280,6 +309,10 @@ fn run_once(conf: &Path, a: &HotBenchArgs, label: &str) -> crate::Result<HotRun>
             .map(|hc| {
                 let (stop_hot, hot_reads, hot_errors) = (&stop_hot, &hot_reads, &hot_errors);
                 s.spawn(move || {
+                    if a.client_nice > 0 {
+                        // SAFETY: as in `hot_clients`.
+                        unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, a.client_nice) };
+                    }
                     let mut h = hist();
                     let mut n = 0u64;
                     while !stop_hot.load(Relaxed) {
@@ -340,6 +373,7 @@ fn run_once(conf: &Path, a: &HotBenchArgs, label: &str) -> crate::Result<HotRun>
             probe_idle: idle,
             probe_storm: during,
             probe_errors: probe_errors.load(Relaxed),
+            client_nice: a.client_nice,
             primary_node: primary,
             primary_idle: NodeDelta::between(&idle0, &idle1),
             primary_storm: NodeDelta::between(&storm0, &storm1),
