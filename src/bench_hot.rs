@@ -322,7 +322,7 @@ fn run_once(conf: &Path, a: &HotBenchArgs, label: &str) -> crate::Result<HotRun>
                                 let us = t.elapsed().as_micros().max(1) as u64;
                                 n += 1;
                                 let ok = d.len() == hot.len()
-                                    && (n % FULL_CHECK_EVERY != 0 || d == *hot)
+                                    && (!n.is_multiple_of(FULL_CHECK_EVERY) || d == *hot)
                                     && d.iter().step_by(4093).eq(hot.iter().step_by(4093));
                                 if ok {
                                     let _ = h.record(us);

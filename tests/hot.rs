@@ -120,7 +120,7 @@ fn concurrent_readers_are_coalesced_writes_are_never_missed_and_status_names_the
                 let mut rng = rand::rngs::SmallRng::seed_from_u64(t as u64);
                 for i in 0..READS_EACH {
                     let (lo, hi) = match i % 5 {
-                        0 | 1 | 2 => (0, data.len()),
+                        0..=2 => (0, data.len()),
                         _ => {
                             let lo = rng.gen_range(0..data.len());
                             (lo, rng.gen_range(lo..=data.len()))
