@@ -23,7 +23,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use messenger::{Identity, Incoming, SendBuf};
@@ -53,6 +53,12 @@ const QUEUE_SCAN_MAX: usize = 1024;
 const CACHE_ENTRY_BYTES_MAX: usize = 16 << 20;
 /// Objects the cache keeps at most (eviction scans them).
 const CACHE_ENTRIES_MAX: usize = 256;
+/// Coalesced reply bytes the messenger may hold before large replies wait for it to drain.
+const REPLY_BYTES_INFLIGHT_MAX: u64 = 16 << 20;
+/// Replies this large are paced; smaller ones (a probe's) never wait.
+const PACED_REPLY_BYTES_MIN: u64 = 256 << 10;
+/// Longest a reply waits for room.
+const PACE_WAIT_MAX: Duration = Duration::from_secs(2);
 /// Default `hot_cache_bytes`.
 pub const CACHE_BYTES_DEFAULT: u64 = 64 << 20;
 
@@ -296,6 +302,63 @@ struct Slice {
     data: Arc<Vec<u8>>,
     at: usize,
     len: usize,
+    inflight: Arc<Inflight>,
+}
+
+impl Slice {
+    fn new(data: Arc<Vec<u8>>, at: usize, len: usize, inflight: &Arc<Inflight>) -> Slice {
+        inflight.add(len as u64);
+        Slice {
+            data,
+            at,
+            len,
+            inflight: inflight.clone(),
+        }
+    }
+}
+
+impl Drop for Slice {
+    /// The messenger wrote the reply (or dropped it with its connection).
+    fn drop(&mut self) {
+        self.inflight.sub(self.len as u64);
+    }
+}
+
+/// Bytes of coalesced replies made and not yet written by the messenger.
+#[derive(Default)]
+pub struct Inflight {
+    bytes: Mutex<u64>,
+    drained: Condvar,
+}
+
+impl Inflight {
+    fn add(&self, n: u64) {
+        *self.bytes.lock().unwrap() += n;
+    }
+
+    fn sub(&self, n: u64) {
+        *self.bytes.lock().unwrap() -= n;
+        self.drained.notify_all();
+    }
+
+    pub fn bytes(&self) -> u64 {
+        *self.bytes.lock().unwrap()
+    }
+
+    /// Wait until a reply of `next` bytes fits in `max` besides the `unsent` bytes the caller
+    /// made and holds (or `timeout` passes: a stuck client must not stall the PG for good).
+    fn wait_room(&self, next: u64, unsent: u64, max: u64, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let mut b = self.bytes.lock().unwrap();
+        loop {
+            let sent = b.saturating_sub(unsent);
+            let now = Instant::now();
+            if sent == 0 || sent + next <= max || now >= deadline {
+                return;
+            }
+            b = self.drained.wait_timeout(b, deadline - now).unwrap().0;
+        }
+    }
 }
 
 impl AsRef<[u8]> for Slice {
@@ -431,6 +494,7 @@ pub struct HotCounters {
 /// The node's hot-object state.
 pub struct Hot {
     pub enabled: bool,
+    pub inflight: Arc<Inflight>,
     pub topk: Mutex<TopK>,
     pub cache: Mutex<DataCache>,
     pub counters: HotCounters,
@@ -440,6 +504,7 @@ impl Hot {
     pub fn new(enabled: bool, cache_bytes: u64) -> Hot {
         Hot {
             enabled,
+            inflight: Arc::new(Inflight::default()),
             topk: Mutex::new(TopK::new(Instant::now())),
             cache: Mutex::new(DataCache::new(if enabled { cache_bytes } else { 0 })),
             counters: HotCounters::default(),
@@ -542,6 +607,7 @@ impl Node {
         match read {
             Some((pool, name)) if self.hot.enabled => {
                 let (rs, counts) = self.run_read_batch(&jobs, cache);
+                let mut unsent: u64 = rs.iter().map(shared_bytes).sum();
                 for ((job, r), c) in jobs.iter_mut().zip(rs).zip(counts) {
                     self.hot.topk.lock().unwrap().record(
                         pool,
@@ -550,6 +616,19 @@ impl Node {
                         c,
                         Instant::now(),
                     );
+                    // Pace large replies by what the messenger has written: a hot object's
+                    // replies queued by the hundred would make every message this node sends
+                    // wait behind them.
+                    let n = shared_bytes(&r);
+                    if n >= PACED_REPLY_BYTES_MIN {
+                        self.hot.inflight.wait_room(
+                            n,
+                            unsent,
+                            REPLY_BYTES_INFLIGHT_MAX,
+                            PACE_WAIT_MAX,
+                        );
+                    }
+                    unsent -= n;
                     self.reply_parts(job, r);
                 }
             }
@@ -786,11 +865,12 @@ impl Node {
                             return Err(Error::remote(*s, m.clone()));
                         }
                         let d = f.data.clone().expect("fetched or failed");
-                        slice = Some(Slice {
-                            data: d,
-                            at: f.at + (lo - f.lo) as usize,
-                            len: (hi - lo) as usize,
-                        });
+                        slice = Some(Slice::new(
+                            d,
+                            f.at + (lo - f.lo) as usize,
+                            (hi - lo) as usize,
+                            &self.hot.inflight,
+                        ));
                     }
                     let len = (hi - lo) as usize;
                     self.counters.read_bytes.fetch_add(len as u64, Relaxed);
@@ -830,6 +910,17 @@ impl Node {
         parts.retain(|p| !p.bytes().is_empty());
         Ok(parts)
     }
+}
+
+/// Bytes of a reply that point into shared buffers.
+fn shared_bytes(r: &Result<Vec<SendBuf>>) -> u64 {
+    r.as_ref().map_or(0, |parts| {
+        parts
+            .iter()
+            .filter(|p| matches!(p, SendBuf::Shared(_)))
+            .map(|p| p.bytes().len() as u64)
+            .sum()
+    })
 }
 
 fn is_stale(e: &Error) -> bool {
