@@ -1164,6 +1164,29 @@ mod tests {
     }
 
     #[test]
+    fn large_replies_wait_for_the_messenger_to_drain() {
+        let inflight = Arc::new(Inflight::default());
+        let data = Arc::new(vec![0u8; 100]);
+        let sent = Slice::new(data.clone(), 0, 100, &inflight);
+        let mine = Slice::new(data, 10, 50, &inflight);
+        assert_eq!((inflight.bytes(), mine.as_ref().len()), (150, 50));
+        // Room for the caller's own unsent reply alone: no wait.
+        inflight.wait_room(50, 50, 60, Duration::from_secs(30));
+        assert_eq!(inflight.bytes(), 150);
+        // 100 bytes sent and not drained + 50 > 120: waits until the messenger drops them.
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                drop(sent);
+            });
+            inflight.wait_room(50, 50, 120, Duration::from_secs(30));
+            assert_eq!(inflight.bytes(), 50, "returned once the sent reply drained");
+        });
+        drop(mine);
+        assert_eq!(inflight.bytes(), 0);
+    }
+
+    #[test]
     fn ranges_merge_when_they_overlap_or_touch() {
         assert_eq!(
             merge_ranges(vec![(10, 20), (0, 5), (5, 8), (15, 30), (40, 41)]),
