@@ -1167,12 +1167,11 @@ mod tests {
     fn large_replies_wait_for_the_messenger_to_drain() {
         let inflight = Arc::new(Inflight::default());
         let data = Arc::new(vec![0u8; 100]);
-        let sent = Slice::new(data.clone(), 0, 100, &inflight);
-        let mine = Slice::new(data, 10, 50, &inflight);
+        let mine = Slice::new(data.clone(), 10, 50, &inflight);
+        // Only the caller's own unsent reply is in flight: no wait, even over the budget.
+        inflight.wait_room(50, 50, 10, Duration::from_secs(30));
+        let sent = Slice::new(data, 0, 100, &inflight);
         assert_eq!((inflight.bytes(), mine.as_ref().len()), (150, 50));
-        // Room for the caller's own unsent reply alone: no wait.
-        inflight.wait_room(50, 50, 60, Duration::from_secs(30));
-        assert_eq!(inflight.bytes(), 150);
         // 100 bytes sent and not drained + 50 > 120: waits until the messenger drops them.
         std::thread::scope(|s| {
             s.spawn(move || {
