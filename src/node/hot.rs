@@ -10,6 +10,11 @@
 //! mutation queued before them has finished, so each read sees exactly the writes that were
 //! acknowledged before it was queued, plus possibly writes queued before it.
 //!
+//! **Pacing.** A large coalesced reply is handed to the messenger only when the coalesced
+//! bytes it still holds leave room under [`REPLY_BYTES_INFLIGHT_MAX`] (a drop guard on each
+//! shared view counts them): a hundred 4 MiB replies queued at once would make every other
+//! message this node sends (a probe's reply, shard requests) wait behind them.
+//!
 //! **Cache.** Bytes read for a hot object (or for a coalesced group) are kept, up to
 //! `hot_cache_bytes` per node, keyed by (pool, name) and tagged with the version, size and
 //! mtime the primary resolved. A lookup uses the freshly resolved state, so a different version
