@@ -113,9 +113,10 @@ fn concurrent_readers_are_coalesced_writes_are_never_missed_and_status_names_the
         .map(|_| Client::from_config(&h.lc.client_config()).unwrap())
         .collect();
     let data_reads = AtomicU64::new(0);
+    let ops = AtomicU64::new(0);
     std::thread::scope(|s| {
         for (t, rc) in clients.iter().enumerate() {
-            let (data, data_reads) = (&data, &data_reads);
+            let (data, data_reads, ops) = (&data, &data_reads, &ops);
             s.spawn(move || {
                 let mut rng = rand::rngs::SmallRng::seed_from_u64(t as u64);
                 for i in 0..READS_EACH {
@@ -126,6 +127,8 @@ fn concurrent_readers_are_coalesced_writes_are_never_missed_and_status_names_the
                             (lo, rng.gen_range(lo..=data.len()))
                         }
                     };
+                    // `get` is a stat, then a read at that version.
+                    ops.fetch_add(if i % 5 == 2 { 2 } else { 1 }, SeqCst);
                     let got = if i % 5 == 2 {
                         rc.get(pool, b"hot").unwrap()
                     } else {
@@ -141,9 +144,11 @@ fn concurrent_readers_are_coalesced_writes_are_never_missed_and_status_names_the
         }
     });
     let reads = data_reads.load(SeqCst);
-    let ops_before = before.read_ops;
+    // Every op's counters are final before its reply: a report counting all the ops has
+    // all the fetches and absorbed reads.
+    let ops_done = before.read_ops + ops.load(SeqCst);
     let s = status_until(c, "the readers' ops", |s| {
-        node_stats(s, primary).read_ops >= ops_before + reads
+        node_stats(s, primary).read_ops >= ops_done
     });
     let after = node_stats(&s, primary);
     let fetches = after.read_fetches - before.read_fetches;
