@@ -215,7 +215,8 @@ fn concurrent_readers_are_coalesced_writes_are_never_missed_and_status_names_the
         for (t, rc) in readers.iter().enumerate() {
             s.spawn(move || {
                 let mut last = 0;
-                while !done.load(SeqCst) {
+                loop {
+                    let finished = done.load(SeqCst);
                     let floor = acked.load(SeqCst);
                     let got = rc.get_range(pool, b"mut", 0, SIZE as u64).unwrap();
                     assert_eq!(got.len(), SIZE, "reader {t}");
@@ -231,6 +232,9 @@ fn concurrent_readers_are_coalesced_writes_are_never_missed_and_status_names_the
                     assert!(v >= last, "reader {t}: went back from {last} to {v}");
                     last = v;
                     checked.fetch_add(1, SeqCst);
+                    if finished {
+                        break;
+                    }
                 }
             });
         }
