@@ -9,6 +9,7 @@
 //! For reference (issue 8), Ceph 16.2 on the same kind of machine went from 20 ms to 703 ms
 //! probe p99 with only 20 such clients.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -167,6 +168,8 @@ pub struct HotRun {
     pub primary_node: u32,
     pub primary_idle: NodeDelta,
     pub primary_storm: NodeDelta,
+    /// CPU of all nodes together during the storm, in percent of one core.
+    pub nodes_storm_cpu_pct: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -189,12 +192,22 @@ fn primary_of(c: &Client, pool: u64, name: &[u8]) -> crate::Result<(u32, u32)> {
     Ok((primary, pg))
 }
 
-fn stats_of(c: &Client, node: u32) -> crate::Result<NodeStats> {
-    Ok(c.status()?
-        .node_stats
-        .get(&node)
-        .cloned()
-        .unwrap_or_default())
+/// Every up node's last reported stats.
+fn stats_of(c: &Client) -> crate::Result<BTreeMap<u32, NodeStats>> {
+    Ok(c.status()?.node_stats)
+}
+
+fn node_delta(a: &BTreeMap<u32, NodeStats>, b: &BTreeMap<u32, NodeStats>, n: u32) -> NodeDelta {
+    let get = |m: &BTreeMap<u32, NodeStats>| m.get(&n).cloned().unwrap_or_default();
+    NodeDelta::between(&get(a), &get(b))
+}
+
+/// CPU of all nodes together, in percent of one core.
+fn cluster_cpu_pct(a: &BTreeMap<u32, NodeStats>, b: &BTreeMap<u32, NodeStats>) -> f64 {
+    a.keys()
+        .filter(|n| b.contains_key(n))
+        .map(|n| node_delta(a, b, *n).cpu_pct)
+        .sum()
 }
 
 /// The hot clients, connected from a thread at `nice` so their messenger threads inherit it.
@@ -298,9 +311,9 @@ fn run_once(conf: &Path, a: &HotBenchArgs, label: &str) -> crate::Result<HotRun>
                 }
             }
         });
-        let idle0 = stats_of(&c, primary)?;
+        let idle0 = stats_of(&c)?;
         std::thread::sleep(Duration::from_secs(a.idle_seconds));
-        let idle1 = stats_of(&c, primary)?;
+        let idle1 = stats_of(&c)?;
         storm.store(true, Relaxed);
         let t0 = Instant::now();
         let hot = &hot;
@@ -342,9 +355,9 @@ fn run_once(conf: &Path, a: &HotBenchArgs, label: &str) -> crate::Result<HotRun>
                 })
             })
             .collect();
-        let storm0 = stats_of(&c, primary)?;
+        let storm0 = stats_of(&c)?;
         std::thread::sleep(Duration::from_secs(a.seconds));
-        let storm1 = stats_of(&c, primary)?;
+        let storm1 = stats_of(&c)?;
         let reads = hot_reads.load(Relaxed);
         let secs = t0.elapsed().as_secs_f64();
         stop_hot.store(true, Relaxed);
@@ -375,8 +388,9 @@ fn run_once(conf: &Path, a: &HotBenchArgs, label: &str) -> crate::Result<HotRun>
             probe_errors: probe_errors.load(Relaxed),
             client_nice: a.client_nice,
             primary_node: primary,
-            primary_idle: NodeDelta::between(&idle0, &idle1),
-            primary_storm: NodeDelta::between(&storm0, &storm1),
+            primary_idle: node_delta(&idle0, &idle1, primary),
+            primary_storm: node_delta(&storm0, &storm1, primary),
+            nodes_storm_cpu_pct: cluster_cpu_pct(&storm0, &storm1),
         });
         Ok(())
     })?;
@@ -479,7 +493,8 @@ pub fn print(r: &HotBenchResult) {
     for x in &r.runs {
         println!(
             "  {}: hot read p50 {:.1} ms p99 {:.1} ms; {} probe reads idle, {} in the storm; \
-             errors hot {} probe {}; primary node {}: idle cpu {:.0} %, idle empty {:.2} %",
+             errors hot {} probe {}; all nodes' cpu in the storm {:.0} %; primary node {}: \
+             idle cpu {:.0} %, idle empty {:.2} %",
             x.coalescing,
             x.hot_lat.p50_ms,
             x.hot_lat.p99_ms,
@@ -487,6 +502,7 @@ pub fn print(r: &HotBenchResult) {
             x.probe_storm.count,
             x.hot_errors,
             x.probe_errors,
+            x.nodes_storm_cpu_pct,
             x.primary_node,
             x.primary_idle.cpu_pct,
             x.primary_idle.empty_iteration_pct
