@@ -59,7 +59,7 @@ const CACHE_ENTRY_BYTES_MAX: usize = 16 << 20;
 /// Objects the cache keeps at most (eviction scans them).
 const CACHE_ENTRIES_MAX: usize = 256;
 /// Coalesced reply bytes the messenger may hold before large replies wait for it to drain.
-const REPLY_BYTES_INFLIGHT_MAX: u64 = 8 << 20;
+const REPLY_BYTES_INFLIGHT_MAX: u64 = 4 << 20;
 /// Replies this large are paced; smaller ones (a probe's) never wait.
 const PACED_REPLY_BYTES_MIN: u64 = 256 << 10;
 /// Longest a reply waits for room.
