@@ -41,6 +41,8 @@ pub struct LocalOptions {
     pub op_threads: usize,
     /// Nodes' `slow_op_ms`.
     pub slow_op_ms: u64,
+    /// Nodes' `read_coalescing` switch.
+    pub read_coalescing: bool,
 }
 
 impl Default for LocalOptions {
@@ -55,6 +57,7 @@ impl Default for LocalOptions {
             write_wait_ms: 10_000,
             op_threads: 8,
             slow_op_ms: 5000,
+            read_coalescing: true,
         }
     }
 }
@@ -145,6 +148,8 @@ impl LocalCluster {
                     metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], free_port()?))),
                     scrub_bytes_per_sec: 32 << 20,
                     scrub_interval_s: 7 * 24 * 3600,
+                    read_coalescing: o.read_coalescing,
+                    hot_cache_bytes: crate::node::hot::CACHE_BYTES_DEFAULT,
                 },
             )?;
         }
@@ -648,6 +653,20 @@ pub fn render_status(s: &crate::monitor::StatusReport) -> String {
         s.io.read_ops_s,
         s.io.write_ops_s
     );
+    if !s.hot_objects.is_empty() {
+        o += "\n  hot objects:\n";
+        for h in &s.hot_objects {
+            let pool = s
+                .pools
+                .iter()
+                .find(|p| p.id == h.pool)
+                .map_or_else(|| h.pool.to_string(), |p| p.name.clone());
+            o += &format!(
+                "    {pool}/{}: {:.0} op/s from {} client(s), coalesced {:.0} % (primary node {})\n",
+                h.name, h.ops_s, h.clients, h.coalesced_pct, h.node
+            );
+        }
+    }
     o
 }
 

@@ -116,6 +116,13 @@ pub struct NodeConfig {
     /// `nvstore scrub start`).
     #[serde(default = "default_scrub_interval_s")]
     pub scrub_interval_s: u64,
+    /// Serve concurrent reads of one object with one fetch, and cache hot objects' bytes
+    /// (`node/hot.rs`). Off only to measure what it buys.
+    #[serde(default = "default_true")]
+    pub read_coalescing: bool,
+    /// Bytes of hot objects' data a node caches.
+    #[serde(default = "default_hot_cache_bytes")]
+    pub hot_cache_bytes: u64,
 }
 
 /// 5 s: far above a healthy op (milliseconds) yet clear of the stalls a busy shared test
@@ -128,6 +135,12 @@ fn default_scrub_bytes_per_sec() -> u64 {
 }
 fn default_scrub_interval_s() -> u64 {
     7 * 24 * 3600
+}
+fn default_true() -> bool {
+    true
+}
+fn default_hot_cache_bytes() -> u64 {
+    crate::node::hot::CACHE_BYTES_DEFAULT
 }
 
 fn default_busy_poll_us() -> u64 {

@@ -14,6 +14,7 @@ pub mod wire;
 pub use client::Client;
 pub use error::{Error, Result};
 pub mod bench_cluster;
+pub mod bench_hot;
 pub mod client;
 pub mod cluster_cmd;
 pub mod config;

@@ -31,6 +31,8 @@ use raft::{MonCommand, MonStore, Network, Raft};
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often the leader checks heartbeats.
 const LIVENESS_TICK: Duration = Duration::from_millis(200);
+/// Hot objects a status report names.
+const HOT_OBJECTS_MAX: usize = 8;
 
 /// A map (full) or the incrementals that bring the asker up to date.
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
@@ -40,7 +42,7 @@ pub struct MapReply {
 }
 
 /// Cumulative counters a node reports in each heartbeat.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, Default, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, Default, PartialEq)]
 pub struct NodeStats {
     pub read_ops: u64,
     pub write_ops: u64,
@@ -58,6 +60,32 @@ pub struct NodeStats {
     /// Scrub and repair counters (docs/architecture.md, "Scrub and repair").
     #[serde(default)]
     pub scrub: crate::node::scrub::ScrubStats,
+    /// The node's hottest objects (`node/hot.rs`).
+    #[serde(default)]
+    pub hot: Vec<crate::node::hot::HotObject>,
+    /// Client ops served in coalesced batches of more than one.
+    #[serde(default)]
+    pub batched_ops: u64,
+    /// Data reads served by another read's fetch.
+    #[serde(default)]
+    pub coalesced_reads: u64,
+    /// Data reads served from the hot-object cache.
+    #[serde(default)]
+    pub cache_hits: u64,
+    /// Shard fetches done for client reads.
+    #[serde(default)]
+    pub read_fetches: u64,
+    /// Messenger loop passes, and those that woke to find nothing to do.
+    #[serde(default)]
+    pub msgr_iterations: u64,
+    #[serde(default)]
+    pub msgr_empty_iterations: u64,
+    /// The node process's CPU time (user + system).
+    #[serde(default)]
+    pub cpu_ns: u64,
+    /// When the node took these figures (its clock), for rates from two reports.
+    #[serde(default)]
+    pub at_unix_ns: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
@@ -91,6 +119,12 @@ pub struct StatusReport {
     /// oldest node's last complete pass.
     #[serde(default)]
     pub scrub: crate::node::scrub::ScrubStats,
+    /// The hottest objects cluster-wide (each names the node that reported it).
+    #[serde(default)]
+    pub hot_objects: Vec<crate::node::hot::HotObject>,
+    /// Each up node's last heartbeat figures.
+    #[serde(default)]
+    pub node_stats: BTreeMap<u32, NodeStats>,
 }
 
 struct Seen {
@@ -424,8 +458,10 @@ impl Monitor {
         let mut io = IoRates::default();
         let (mut shards, mut used, mut cap) = (0, 0, 0);
         let mut scrub = crate::node::scrub::ScrubStats::default();
+        let mut node_stats = BTreeMap::new();
         for n in map.nodes.values().filter(|n| n.up) {
             if let Some(s) = seen.get(&n.id) {
+                node_stats.insert(n.id, s.stats.clone());
                 io.read_ops_s += s.rates.read_ops_s;
                 io.write_ops_s += s.rates.write_ops_s;
                 io.read_bytes_s += s.rates.read_bytes_s;
@@ -476,6 +512,14 @@ impl Monitor {
             capacity_bytes: cap,
             io,
             scrub,
+            hot_objects: crate::node::hot::merge_hottest(
+                node_stats
+                    .iter()
+                    .map(|(id, s)| (*id, s.hot.clone()))
+                    .collect(),
+                HOT_OBJECTS_MAX,
+            ),
+            node_stats,
         }
     }
 }

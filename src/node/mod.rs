@@ -7,6 +7,7 @@
 //! (they block on group commit, so there are several); `node-heartbeat` reports to the
 //! monitors; `node-scrub` runs the background scrub (`scrub.rs`).
 
+pub mod hot;
 pub mod identity;
 pub mod local;
 pub mod perf;
@@ -56,8 +57,11 @@ pub struct Counters {
     pub write_bytes: AtomicU64,
 }
 
+/// A client op waiting on its PG: the message and its tracking.
+pub type Job = (Incoming, Arc<TrackedOp>);
+
 struct PgSlot {
-    queue: VecDeque<(Incoming, Arc<TrackedOp>)>,
+    queue: VecDeque<Job>,
     running: bool,
     cache: Arc<Mutex<PgCache>>,
 }
@@ -83,6 +87,8 @@ pub struct Node {
     /// Op tracking, slow ops, counters of every subsystem (`perf dump`, metrics).
     pub perf: perf::Perf,
     pub scrub: scrub::Scrub,
+    /// Read coalescing, the hot-object cache and detector.
+    pub hot: hot::Hot,
 }
 
 struct NodeDispatcher {
@@ -246,32 +252,34 @@ impl Node {
     fn op_thread(self: Arc<Self>) {
         while let Some(key) = self.run_q.pop() {
             loop {
-                let (job, cache) = {
+                let (jobs, cache) = {
                     let mut pgs = self.pgs.lock().unwrap();
                     let slot = pgs.get_mut(&key).expect("queued PG has a slot");
                     match slot.queue.pop_front() {
-                        Some(j) => (j, slot.cache.clone()),
+                        Some(j) if self.hot.enabled => {
+                            (hot::take_batch(j, &mut slot.queue), slot.cache.clone())
+                        }
+                        Some(j) => (vec![j], slot.cache.clone()),
                         None => {
                             slot.running = false;
                             break;
                         }
                     }
                 };
-                let (mut job, op) = job;
-                op.event(Ev::Started, NO_SHARD);
-                let r = {
-                    let _current = CurrentGuard::set(&op);
-                    self.run_client_op(&job, &cache)
-                };
-                self.finish_op(&mut job, &op, r);
-                // Still holding the PG: rewrite corrupt shards the op's reads met.
+                self.run_jobs(jobs, &cache);
+                // Still holding the PG: rewrite corrupt shards the ops' reads met.
                 self.run_read_repairs(key);
             }
         }
     }
 
     /// Reply and stop tracking the op.
-    fn finish_op(&self, msg: &mut Incoming, op: &Arc<TrackedOp>, r: Result<Vec<SendBuf>>) {
+    pub(super) fn finish_op(
+        &self,
+        msg: &mut Incoming,
+        op: &Arc<TrackedOp>,
+        r: Result<Vec<SendBuf>>,
+    ) {
         let status: std::borrow::Cow<'static, str> = match &r {
             Ok(_) => "ok".into(),
             Err(e) => e.message().into(),
@@ -480,6 +488,7 @@ impl Node {
             used += sp.live_bytes;
             cap += sp.segments_total * sp.segment_bytes;
         }
+        let msgr = self.msgr().stats();
         NodeStats {
             read_ops: self.counters.read_ops.load(Relaxed),
             write_ops: self.counters.write_ops.load(Relaxed),
@@ -491,6 +500,17 @@ impl Node {
             slow_ops,
             slow_longest_ms,
             scrub: self.scrub.counts.snapshot(),
+            hot: self.hot.hottest(),
+            batched_ops: self.hot.counters.batched_ops.load(Relaxed),
+            coalesced_reads: self.hot.counters.coalesced_reads.load(Relaxed),
+            cache_hits: self.hot.counters.cache_hits.load(Relaxed),
+            read_fetches: self.hot.counters.read_fetches.load(Relaxed),
+            msgr_iterations: msgr.total(|w| w.iterations),
+            msgr_empty_iterations: msgr.total(|w| w.empty_iterations),
+            cpu_ns: hot::process_cpu_ns(),
+            at_unix_ns: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
         }
     }
 
@@ -645,6 +665,7 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
         counters: Counters::default(),
         perf: perf::Perf::new(Duration::from_millis(cfg.slow_op_ms)),
         scrub: scrub::Scrub::load(&cfg.data_dir),
+        hot: hot::Hot::new(cfg.read_coalescing, cfg.hot_cache_bytes),
     });
     let _ = node.msgr.set(msgr.clone());
     let _ = disp.node.set(node.clone());

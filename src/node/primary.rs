@@ -37,7 +37,7 @@ const SHARD_TIMEOUT: Duration = Duration::from_secs(10);
 /// Pause before sending a shard write again to a member that failed it.
 const RETRY_PAUSE: Duration = Duration::from_millis(250);
 /// Attempts of an op whose cached object state turned out stale.
-const OP_ATTEMPTS_MAX: u32 = 3;
+pub(super) const OP_ATTEMPTS_MAX: u32 = 3;
 /// Objects whose state a PG keeps cached.
 const CACHE_OBJECTS_MAX: usize = 4096;
 /// Longest xattr name.
@@ -113,14 +113,14 @@ pub(super) fn bit(slot: usize) -> u64 {
 }
 
 /// Internal: the cached state was stale; resolve again and retry.
-fn stale() -> Error {
+pub(super) fn stale() -> Error {
     Error::remote(Status::VersionMismatch, "stale cached object state")
 }
 
 /// The mutation part of a request.
-struct Mutation<'a> {
-    data: Option<SubOp<'a>>,
-    xattrs: Vec<(String, Option<Vec<u8>>)>,
+pub(super) struct Mutation<'a> {
+    pub(super) data: Option<SubOp<'a>>,
+    pub(super) xattrs: Vec<(String, Option<Vec<u8>>)>,
 }
 
 impl Node {
@@ -154,7 +154,7 @@ impl Node {
         }
     }
 
-    fn ctx(&self, op: &ClientOp) -> Result<Ctx> {
+    pub(super) fn ctx(&self, op: &ClientOp) -> Result<Ctx> {
         let map = self.monc.map();
         let pool = map.pools.get(&op.pool).cloned().ok_or_else(|| {
             Error::remote(
@@ -194,15 +194,7 @@ impl Node {
         let ctx = self.ctx(op)?;
         let m = check_ops(op)?;
         let mut c = cache.lock().unwrap();
-        // Trust cached object states only while no node changed state since they were
-        // learnt: this node may have stopped being primary meanwhile (another one wrote), or a
-        // member may have missed writes.
-        let changed = self.monc.node_change_epoch();
-        if c.members != ctx.acting.members || c.node_change_epoch != changed {
-            c.members = ctx.acting.members.clone();
-            c.node_change_epoch = changed;
-            c.objs.clear();
-        }
+        self.refresh_cache(&ctx, &mut c);
         let st = self.resolve(&ctx, &mut c, op.name)?;
         for o in &op.ops {
             match o {
@@ -259,6 +251,7 @@ impl Node {
             st.version
         } else {
             self.counters.write_ops.fetch_add(1, Relaxed);
+            self.hot.invalidate(op.pool, op.name);
             self.write(&ctx, &mut c, op.name, &st, m, staged)?
         };
         let mut e = Enc::new(ctx.map.epoch);
@@ -271,6 +264,23 @@ impl Node {
         let ec = &self.perf.ec;
         ec.encode_calls.fetch_add(1, Relaxed);
         ec.encoded_bytes.fetch_add(bytes as u64, Relaxed);
+    }
+
+    /// Trust cached object states only while no node changed state since they were learnt:
+    /// this node may have stopped being primary meanwhile (another one wrote), or a member may
+    /// have missed writes.
+    pub(super) fn refresh_cache(&self, ctx: &Ctx, c: &mut PgCache) {
+        let changed = self.monc.node_change_epoch();
+        if c.members != ctx.acting.members || c.node_change_epoch != changed {
+            c.members = ctx.acting.members.clone();
+            c.node_change_epoch = changed;
+            c.objs.clear();
+        }
+    }
+
+    /// Forget a cached object state (it turned out stale).
+    pub(super) fn forget(c: &mut PgCache, name: &[u8]) {
+        c.objs.remove(name);
     }
 
     // ---- shard requests -------------------------------------------------------------------
@@ -1197,7 +1207,7 @@ fn parse_state(p: &[u8]) -> Result<ShardState> {
     ShardState::decode(&mut d)
 }
 
-fn not_found(name: &[u8]) -> Error {
+pub(super) fn not_found(name: &[u8]) -> Error {
     Error::remote(
         Status::NotFound,
         format!("no object {:?}", String::from_utf8_lossy(name)),
@@ -1215,7 +1225,7 @@ fn too_large(n: u64) -> Error {
 }
 
 /// Validate a request's sub-ops and split out its mutation.
-fn check_ops<'a>(op: &ClientOp<'a>) -> Result<Mutation<'a>> {
+pub(super) fn check_ops<'a>(op: &ClientOp<'a>) -> Result<Mutation<'a>> {
     let bad = |m: String| Error::remote(Status::Invalid, m);
     if op.ops.is_empty() {
         return Err(bad("request has no sub-ops".into()));
