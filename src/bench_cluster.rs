@@ -130,7 +130,7 @@ pub fn bench(
                     stop.clone(),
                     payload.clone(),
                 );
-                s.spawn(move || {
+                spawn_named(s, format!("bench-client-{t}"), move || {
                     let mut h =
                         Histogram::<u64>::new_with_bounds(1, 600_000_000, 3).expect("bounds");
                     let mut rng = rand::rngs::SmallRng::seed_from_u64(t as u64);
@@ -256,4 +256,16 @@ pub fn run(mode: Mode, a: ClusterBenchArgs) -> Result<ExitCode, Box<dyn std::err
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// A scoped thread named for `top -H`.
+fn spawn_named<'s, T: Send + 's>(
+    s: &'s std::thread::Scope<'s, '_>,
+    name: String,
+    f: impl FnOnce() -> T + Send + 's,
+) -> std::thread::ScopedJoinHandle<'s, T> {
+    std::thread::Builder::new()
+        .name(name)
+        .spawn_scoped(s, f)
+        .expect("spawn a benchmark thread")
 }

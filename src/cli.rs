@@ -1,5 +1,4 @@
 //! Command-line interface: one enum of command groups, each dispatched to its module.
-//! A group that is not built yet says so and exits with status 2; it never pretends.
 
 use std::process::ExitCode;
 
@@ -74,16 +73,18 @@ pub enum Command {
     },
     /// Dump or reset a node's performance counters
     Perf {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
+        #[command(subcommand)]
+        cmd: crate::admin::PerfCommand,
     },
-    /// Dump a node's slow-op history as JSON
-    SlowOps {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
+    /// Dump a node's slow ops (in flight and recent history) as JSON: slow-ops NODE
+    SlowOps(crate::admin::NodeArg),
     /// Start an 8-node local cluster, write, kill nodes, read degraded, heal, clean up
     Demo(crate::demo::DemoArgs),
+    /// Scrub: start a pass now, show counters, locate a shard on its device
+    Scrub {
+        #[command(subcommand)]
+        cmd: crate::scrub_cmd::ScrubCommand,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -126,14 +127,6 @@ pub fn init_tracing() {
         .try_init();
 }
 
-/// Exit status of a command group that does not exist yet.
-const NOT_BUILT: u8 = 2;
-
-pub(crate) fn not_built(group: &str, issue: u32) -> ExitCode {
-    eprintln!("nvstore {group}: not built yet (tracked in issue #{issue}); nothing was done");
-    ExitCode::from(NOT_BUILT)
-}
-
 pub fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
     Ok(match cli.command {
         Command::Device { what } => crate::device::run(what)?,
@@ -166,8 +159,9 @@ pub fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
         Command::Ls(a) => crate::cluster_cmd::run_ls(a)?,
         Command::Bench { what } => crate::bench::run_bench(what)?,
         Command::Status { json, conf } => crate::cluster_cmd::run_status(&conf.conf, json)?,
-        Command::Perf { .. } => not_built("perf", 8),
-        Command::SlowOps { .. } => not_built("slow-ops", 8),
+        Command::Perf { cmd } => crate::admin::run_perf(cmd)?,
+        Command::SlowOps(a) => crate::admin::run_slow_ops(a)?,
         Command::Demo(a) => crate::demo::run(a)?,
+        Command::Scrub { cmd } => crate::scrub_cmd::run(cmd)?,
     })
 }

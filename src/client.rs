@@ -148,6 +148,11 @@ impl Client {
             .ok_or_else(|| Error::remote(Status::NoSuchPool, format!("no pool named {name:?}")))
     }
 
+    /// The (kept) connection to a node, for requests that are not object ops.
+    pub(crate) fn node_conn(&self, node: u32, addr: SocketAddr) -> Result<Connection> {
+        self.conn(node, addr)
+    }
+
     fn conn(&self, node: u32, addr: SocketAddr) -> Result<Connection> {
         // Held across the connect so racing threads share one connection.
         let mut conns = self.conns.lock().unwrap();
@@ -453,6 +458,24 @@ impl Client {
             }
         }
         Ok(out)
+    }
+}
+
+impl Client {
+    /// Send one admin request (`body` after the epoch) to a node and return the reply body
+    /// (after epoch and status); error replies become `Error::Remote`.
+    pub fn node_call(&self, node: u32, msg_type: u16, body: &[u8]) -> Result<Vec<u8>> {
+        let map = self.map();
+        let n = map
+            .nodes
+            .get(&node)
+            .ok_or_else(|| Error::remote(Status::Invalid, format!("no node {node} in the map")))?;
+        let c = self.conn(node, n.addr)?;
+        let mut e = Enc::new(map.epoch);
+        e.0.extend_from_slice(body);
+        let reply = c.request(OutMessage::new(msg_type, e.finish()), self.timeout)?;
+        let (_, body) = wire::parse_reply(&reply.payload)?;
+        Ok(body.to_vec())
     }
 }
 

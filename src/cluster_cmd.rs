@@ -39,6 +39,10 @@ pub struct LocalOptions {
     pub heartbeat_ms: u64,
     pub write_wait_ms: u64,
     pub op_threads: usize,
+    /// Nodes' `slow_op_ms`.
+    pub slow_op_ms: u64,
+    /// Nodes' `read_coalescing` switch.
+    pub read_coalescing: bool,
 }
 
 impl Default for LocalOptions {
@@ -52,6 +56,8 @@ impl Default for LocalOptions {
             heartbeat_ms: 500,
             write_wait_ms: 10_000,
             op_threads: 8,
+            slow_op_ms: 5000,
+            read_coalescing: true,
         }
     }
 }
@@ -114,6 +120,7 @@ impl LocalCluster {
                     data_dir: d.clone(),
                     down_grace_ms: o.down_grace_ms,
                     out_grace_ms: o.out_grace_ms,
+                    metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], free_port()?))),
                 },
             )?;
         }
@@ -137,6 +144,12 @@ impl LocalCluster {
                     op_threads: o.op_threads,
                     write_wait_ms: o.write_wait_ms,
                     busy_poll_us: 20,
+                    slow_op_ms: o.slow_op_ms,
+                    metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], free_port()?))),
+                    scrub_bytes_per_sec: 32 << 20,
+                    scrub_interval_s: 7 * 24 * 3600,
+                    read_coalescing: o.read_coalescing,
+                    hot_cache_bytes: crate::node::hot::CACHE_BYTES_DEFAULT,
                 },
             )?;
         }
@@ -148,6 +161,16 @@ impl LocalCluster {
                 op_timeout_ms: 30_000,
             },
         )
+    }
+
+    /// Where a member ("mon.N" or "node.N") serves Prometheus metrics (from its config).
+    pub fn metrics_addr(&self, member: &str) -> Result<Option<SocketAddr>> {
+        let d = self.dir.join(member);
+        Ok(if member.starts_with("mon.") {
+            MonitorConfig::load(&d.join("monitor.toml"))?.metrics_listen
+        } else {
+            NodeConfig::load(&d.join("node.toml"))?.metrics_listen
+        })
     }
 
     fn members(&self) -> Result<Vec<String>> {
@@ -548,6 +571,17 @@ fn human(b: f64) -> String {
     format!("{v:.1} {}", units[i])
 }
 
+/// "N s ago" for a unix time, "never" for 0.
+pub fn ago(unix: u64) -> String {
+    if unix == 0 {
+        return "never".into();
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    format!("{} s ago", now.saturating_sub(unix))
+}
+
 /// `nvstore status` as text.
 pub fn render_status(s: &crate::monitor::StatusReport) -> String {
     let mut o = String::new();
@@ -592,6 +626,26 @@ pub fn render_status(s: &crate::monitor::StatusReport) -> String {
         states.join(", ")
     });
     o += "\n";
+    let sc = &s.scrub;
+    o += &format!(
+        "    scrub:  {} objects, {} read; {} crc errors, {} missing/stale, {} parity; {} \
+         repaired, {} unrepairable; reads met {} corrupt shards, repaired {}; last complete \
+         pass on every node: {}\n",
+        sc.objects,
+        human(sc.bytes as f64),
+        sc.crc_errors,
+        sc.missing,
+        sc.parity_errors,
+        sc.repaired,
+        sc.unrepairable,
+        sc.read_corrupt,
+        sc.read_repaired,
+        if sc.passes == 0 {
+            "never".into()
+        } else {
+            ago(sc.last_complete_unix)
+        }
+    );
     o += &format!(
         "\n  io:\n    client: {}/s rd, {}/s wr, {:.0} op/s rd, {:.0} op/s wr\n",
         human(s.io.read_bytes_s),
@@ -599,6 +653,20 @@ pub fn render_status(s: &crate::monitor::StatusReport) -> String {
         s.io.read_ops_s,
         s.io.write_ops_s
     );
+    if !s.hot_objects.is_empty() {
+        o += "\n  hot objects:\n";
+        for h in &s.hot_objects {
+            let pool = s
+                .pools
+                .iter()
+                .find(|p| p.id == h.pool)
+                .map_or_else(|| h.pool.to_string(), |p| p.name.clone());
+            o += &format!(
+                "    {pool}/{}: {:.0} op/s from {} client(s), coalesced {:.0} % (primary node {})\n",
+                h.name, h.ops_s, h.clients, h.coalesced_pct, h.node
+            );
+        }
+    }
     o += &render_recovery(&s.recovery);
     o
 }

@@ -36,6 +36,9 @@ pub struct MonitorConfig {
     /// A node down for this long is marked out (its PGs remap).
     #[serde(default = "default_out_grace_ms")]
     pub out_grace_ms: u64,
+    /// Serve Prometheus metrics (`GET /metrics`) here; off when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 fn default_down_grace_ms() -> u64 {
@@ -69,6 +72,9 @@ impl MonitorConfig {
 /// `node.toml`: one storage node.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct NodeConfig {
+    /// Node id; 0 or absent: take it from the devices' labels (a node's identity travels
+    /// with its disks).
+    #[serde(default)]
     pub id: u32,
     /// Failure domain name.
     pub host: String,
@@ -96,6 +102,45 @@ pub struct NodeConfig {
     /// node processes may share few cores.
     #[serde(default = "default_busy_poll_us")]
     pub busy_poll_us: u64,
+    /// An op that takes at least this long is a slow op: kept for `nvstore slow-ops` and
+    /// warned about in health. 0 records every op (debugging).
+    #[serde(default = "default_slow_op_ms")]
+    pub slow_op_ms: u64,
+    /// Serve Prometheus metrics (`GET /metrics`) here; off when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics_listen: Option<SocketAddr>,
+    /// Background scrub read rate, shard bytes per second.
+    #[serde(default = "default_scrub_bytes_per_sec")]
+    pub scrub_bytes_per_sec: u64,
+    /// Start a scrub pass this long after the last one completed (0: only when asked, with
+    /// `nvstore scrub start`).
+    #[serde(default = "default_scrub_interval_s")]
+    pub scrub_interval_s: u64,
+    /// Serve concurrent reads of one object with one fetch, and cache hot objects' bytes
+    /// (`node/hot.rs`). Off only to measure what it buys.
+    #[serde(default = "default_true")]
+    pub read_coalescing: bool,
+    /// Bytes of hot objects' data a node caches.
+    #[serde(default = "default_hot_cache_bytes")]
+    pub hot_cache_bytes: u64,
+}
+
+/// 5 s: far above a healthy op (milliseconds) yet clear of the stalls a busy shared test
+/// machine shows; an op this slow is worth a health warning.
+fn default_slow_op_ms() -> u64 {
+    5000
+}
+fn default_scrub_bytes_per_sec() -> u64 {
+    32 << 20
+}
+fn default_scrub_interval_s() -> u64 {
+    7 * 24 * 3600
+}
+fn default_true() -> bool {
+    true
+}
+fn default_hot_cache_bytes() -> u64 {
+    crate::node::hot::CACHE_BYTES_DEFAULT
 }
 
 fn default_busy_poll_us() -> u64 {

@@ -71,6 +71,7 @@ impl Error {
             Error::Store(store::StoreError::Invalid(_)) => Status::Invalid,
             Error::Store(store::StoreError::NoXattr { .. }) => Status::NoXattr,
             Error::Store(store::StoreError::OutOfSpace { .. }) => Status::NoSpace,
+            Error::Store(store::StoreError::Corrupted { .. }) => Status::Corrupted,
             Error::Malformed(_) => Status::Malformed,
             Error::Timeout { .. } => Status::TimedOut,
             Error::FetchFailed(_, e) => e.status(),

@@ -1,5 +1,6 @@
 //! nvstore: node, client, cluster map and the command-line interface.
 
+pub mod admin;
 pub mod bench;
 pub mod cli;
 pub mod device;
@@ -13,6 +14,7 @@ pub mod wire;
 pub use client::Client;
 pub use error::{Error, Result};
 pub mod bench_cluster;
+pub mod bench_hot;
 pub mod bench_recovery;
 pub mod client;
 pub mod cluster_cmd;
@@ -22,4 +24,7 @@ pub mod monclient;
 pub mod monitor;
 pub mod node;
 pub mod ops;
+pub mod optrack;
+pub mod prom;
 pub mod queue;
+pub mod scrub_cmd;

@@ -206,7 +206,7 @@ pub fn encode_results(e: &mut Enc, version: u64, results: &[OpResult]) {
     }
 }
 
-fn encode_result(e: &mut Enc, r: &OpResult) {
+pub fn encode_result(e: &mut Enc, r: &OpResult) {
     match r {
         OpResult::Stat(s) => {
             e.u8(4).u64(s.size).u64(s.version).u64(s.mtime_unix_ns);

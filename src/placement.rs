@@ -1,19 +1,19 @@
 //! Placement: object → PG by a stable hash; PG → an ordered list of k + m nodes by weighted
-//! rendezvous hashing (straw2-like) with the host as failure domain.
+//! rendezvous hashing (straw2-like) over nodes, with the host as a constraint.
 //!
-//! Slot `i` of a PG (which holds EC shard `i`) is drawn independently: every host with in-weight
-//! draws `ln(u) / weight` from a hash of (pool, pg, host, slot, attempt) and the largest draw
-//! wins; a host already holding an earlier slot makes the slot draw again with the next
-//! attempt. Within the winning host, its in nodes draw the same way. A node that is not a
-//! member of a PG never won a draw that mattered for it, so adding, removing, marking up/down
-//! or in/out one node changes only the PGs that involve it. Down nodes stay members (their
-//! shards are served degraded); out nodes are not drawn.
-
-use std::collections::BTreeMap;
+//! Slot `i` of a PG (which holds EC shard `i`) is drawn over nodes: every node with weight
+//! draws `ln(u) / weight` from a hash of (pool, pg, node, slot, attempt) and the largest draw
+//! wins. The draws are keyed by node, never by host, so a node's host only matters as a
+//! constraint: a slot whose node sits on a host an earlier slot already holds draws again
+//! (among hosts no slot holds). Consequences: adding, removing, marking up/down or in/out one
+//! node changes only the PGs that involve it; moving a node to a host no member of a PG is on
+//! changes no PG; moving it onto a host that holds another member of a PG changes only that
+//! PG's later slot of the two. Down nodes stay members (their shards are served degraded); out
+//! nodes are not drawn.
 
 use crate::map::{ClusterMap, PoolInfo};
 
-/// Independent draws per slot before falling back to the best untaken host.
+/// Independent draws per slot before falling back to the best usable node.
 const ATTEMPTS_MAX: u32 = 64;
 
 /// splitmix64 finaliser: a well-mixed 64-bit hash step.
@@ -39,62 +39,54 @@ fn draw(seed: u64, weight: u64) -> f64 {
     u.ln() / weight as f64
 }
 
-struct Host {
+/// A node as placement sees it.
+struct Cand {
+    id: u32,
     key: u64,
-    /// Configured weight of all its nodes, in or out: marking a node out must not change the
-    /// draws of the PGs that do not involve it.
     weight: u64,
-    /// (node, weight, in)
-    nodes: Vec<(u32, u64, bool)>,
+    /// Hash of the host name (the failure domain).
+    host: u64,
+    r#in: bool,
 }
 
-impl Host {
-    fn has_in(&self) -> bool {
-        self.nodes.iter().any(|n| n.2)
-    }
-}
-
-fn hosts(map: &ClusterMap) -> Vec<Host> {
-    let mut by: BTreeMap<&str, Vec<(u32, u64, bool)>> = BTreeMap::new();
-    for n in map.nodes.values().filter(|n| n.weight > 0) {
-        by.entry(n.host.as_str())
-            .or_default()
-            .push((n.id, n.weight as u64, n.r#in));
-    }
-    by.into_iter()
-        .map(|(name, nodes)| Host {
-            key: hash_str(name),
-            weight: nodes.iter().map(|n| n.1).sum(),
-            nodes,
+fn candidates(map: &ClusterMap) -> Vec<Cand> {
+    map.nodes
+        .values()
+        .filter(|n| n.weight > 0)
+        .map(|n| Cand {
+            id: n.id,
+            key: mix(n.id as u64 ^ 0x4e4f_4445_0000_0000),
+            weight: n.weight as u64,
+            host: hash_str(&n.host),
+            r#in: n.r#in,
         })
         .collect()
 }
 
-/// The k + m members of a PG, slot by slot (`None`: no distinct host left for that slot).
+/// The k + m members of a PG, slot by slot (`None`: no node on a distinct host left for it).
 ///
-/// Like CRUSH's `indep` mode, and stable under out/in: first every slot draws over all hosts,
-/// in or out, pass after pass (attempt p in pass p) until it wins a host no other slot holds;
-/// this phase does not look at in/out at all. Then each slot that won a host with no in node
-/// draws again among the usable hosts left. So when a node goes out only its slot changes;
-/// every other slot keeps its node, and with it the EC shard it holds.
+/// Like CRUSH's `indep` mode, in three phases, each changing only the slots it must:
+/// 1. Pass after pass (attempt p in pass p) every empty slot draws over all nodes, in or out,
+///    until it wins a node no other slot holds. Only node ids and weights matter here.
+/// 2. In slot order, a slot whose node's host an earlier slot holds draws again among nodes
+///    (in or out) on hosts no slot holds.
+/// 3. A slot whose node is out (or that is still empty) draws again among in nodes on hosts
+///    no slot holds.
+///
+/// So when a node goes out only its slot changes, and a host change touches only PGs where
+/// the node now shares a host with another member.
 pub fn pg_members(map: &ClusterMap, pool: &PoolInfo, pg: u32) -> Vec<Option<u32>> {
-    let hs = hosts(map);
+    let cs = candidates(map);
     let base = mix(pool.id ^ mix(pg as u64 ^ 0x5047_0000_0000));
     let n = pool.size();
-    let best_of = |seed: u64, usable: &dyn Fn(usize) -> bool| {
-        hs.iter()
-            .enumerate()
-            .filter(|(i, _)| usable(*i))
-            .map(|(i, h)| (i, draw(seed ^ h.key, h.weight)))
-            .max_by(|a, b| a.1.total_cmp(&b.1))
-            .map(|(i, _)| i)
-    };
+    let seed_of = |slot: usize, attempt: u64| mix(base ^ ((slot as u64) << 8) ^ (attempt << 40));
+    let attempts = ATTEMPTS_MAX as u64;
     let mut chosen: Vec<Option<usize>> = vec![None; n];
-    for pass in 0..ATTEMPTS_MAX as u64 {
+    // 1: distinct nodes.
+    for pass in 0..attempts {
         for slot in 0..n {
             if chosen[slot].is_none() {
-                let seed = mix(base ^ ((slot as u64) << 8) ^ (pass << 40));
-                if let Some(i) = best_of(seed, &|_| true) {
+                if let Some(i) = best_of(&cs, seed_of(slot, pass), &|_| true) {
                     if !chosen.contains(&Some(i)) {
                         chosen[slot] = Some(i);
                     }
@@ -105,44 +97,67 @@ pub fn pg_members(map: &ClusterMap, pool: &PoolInfo, pg: u32) -> Vec<Option<u32>
             break;
         }
     }
-    // Slots on hosts with no in node (or none found) draw again among the usable hosts left.
+    // 2: distinct hosts (in/out not looked at, so out/in moves nothing here).
     for slot in 0..n {
-        if chosen[slot].is_some_and(|i| hs[i].has_in()) {
+        let Some(i) = chosen[slot] else { continue };
+        if chosen[..slot]
+            .iter()
+            .flatten()
+            .any(|j| cs[*j].host == cs[i].host)
+        {
+            let seeds = (attempts..2 * attempts).map(|a| seed_of(slot, a));
+            chosen[slot] = redraw(&cs, &chosen, slot, seeds, |_| true);
+        }
+    }
+    // 3: out nodes (and empty slots) give way to in nodes.
+    for slot in 0..n {
+        if chosen[slot].is_some_and(|i| cs[i].r#in) {
             continue;
         }
         chosen[slot] = None;
-        for pass in 0..=ATTEMPTS_MAX as u64 {
-            let seed = mix(base ^ ((slot as u64) << 8) ^ ((ATTEMPTS_MAX as u64 + pass) << 40));
-            let taken = chosen.clone();
-            let usable = |i: usize| hs[i].has_in() && !taken.contains(&Some(i));
-            let pick = if pass < ATTEMPTS_MAX as u64 {
-                best_of(seed, &|_| true).filter(|i| usable(*i))
-            } else {
-                best_of(seed, &usable)
-            };
-            if pick.is_some() {
-                chosen[slot] = pick;
-                break;
-            }
+        let seeds = (2 * attempts..3 * attempts).map(|a| seed_of(slot, a));
+        chosen[slot] = redraw(&cs, &chosen, slot, seeds, |i| cs[i].r#in);
+    }
+    chosen.iter().map(|c| c.map(|i| cs[i].id)).collect()
+}
+
+/// The candidate with the largest draw for `seed` among the `usable` ones.
+fn best_of(cs: &[Cand], seed: u64, usable: &dyn Fn(usize) -> bool) -> Option<usize> {
+    cs.iter()
+        .enumerate()
+        .filter(|(i, _)| usable(*i))
+        .map(|(i, c)| (i, draw(seed ^ c.key, c.weight)))
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|(i, _)| i)
+}
+
+/// A new node for `slot`: one on a host no other slot holds, not held itself, and `eligible`.
+/// Each seed draws over all nodes and keeps the winner only if it is usable (so the outcome
+/// does not depend on which other nodes are usable); after the seeds run out, the best usable.
+fn redraw(
+    cs: &[Cand],
+    chosen: &[Option<usize>],
+    slot: usize,
+    mut seeds: impl Iterator<Item = u64>,
+    eligible: impl Fn(usize) -> bool,
+) -> Option<usize> {
+    let usable = |i: usize| {
+        eligible(i)
+            && chosen
+                .iter()
+                .enumerate()
+                .filter(|(s, _)| *s != slot)
+                .filter_map(|(_, c)| *c)
+                .all(|j| j != i && cs[j].host != cs[i].host)
+    };
+    let mut last = 0;
+    for seed in seeds.by_ref() {
+        last = seed;
+        if let Some(i) = best_of(cs, seed, &|_| true).filter(|i| usable(*i)) {
+            return Some(i);
         }
     }
-    chosen
-        .iter()
-        .enumerate()
-        .map(|(slot, c)| {
-            c.map(|i| {
-                let seed = mix(base ^ ((slot as u64) << 8) ^ 0xdead_beef);
-                hs[i]
-                    .nodes
-                    .iter()
-                    .filter(|n| n.2)
-                    .map(|&(id, w, _)| (id, draw(seed ^ mix(id as u64), w)))
-                    .max_by(|a, b| a.1.total_cmp(&b.1))
-                    .map(|(id, _)| id)
-                    .expect("a chosen host has an in node")
-            })
-        })
-        .collect()
+    best_of(cs, mix(last), &usable)
 }
 
 /// Where a PG stands under a map.
@@ -343,6 +358,60 @@ mod tests {
                 assert_eq!(pg_members(&before, &p, pg), b);
             }
         }
+    }
+
+    fn moved_to(before: &ClusterMap, id: u32, host: &str) -> ClusterMap {
+        let mut after = before.clone();
+        let mut n = before.nodes[&id].clone();
+        n.host = host.into();
+        after
+            .apply(&Incremental {
+                epoch: before.epoch + 1,
+                changes: vec![Change::NodeBoot(n)],
+            })
+            .unwrap();
+        after
+    }
+
+    #[test]
+    fn moving_a_node_to_a_new_host_changes_no_pg() {
+        let p = pool(512);
+        let before = twelve();
+        let after = moved_to(&before, 5, "elsewhere");
+        for pg in 0..p.pg_num {
+            assert_eq!(
+                pg_members(&before, &p, pg),
+                pg_members(&after, &p, pg),
+                "pg {pg}"
+            );
+        }
+    }
+
+    #[test]
+    fn moving_a_node_onto_a_members_host_changes_one_slot_of_such_pgs() {
+        let p = pool(512);
+        let before = twelve();
+        let after = moved_to(&before, 5, "h7");
+        let mut changed = 0;
+        for pg in 0..p.pg_num {
+            let a = pg_members(&before, &p, pg);
+            let b = pg_members(&after, &p, pg);
+            let hosts: std::collections::BTreeSet<_> = b
+                .iter()
+                .map(|n| after.nodes[&n.unwrap()].host.clone())
+                .collect();
+            assert_eq!(hosts.len(), 8, "pg {pg}: hosts stay distinct: {b:?}");
+            if !(a.contains(&Some(5)) && a.contains(&Some(7))) {
+                assert_eq!(a, b, "pg {pg} has not both 5 and 7 but changed");
+                continue;
+            }
+            let diff: Vec<usize> = (0..a.len()).filter(|s| a[*s] != b[*s]).collect();
+            assert_eq!(diff.len(), 1, "pg {pg}: {a:?} -> {b:?}");
+            let s = diff[0];
+            assert!(a[s] == Some(5) || a[s] == Some(7), "pg {pg}: slot {s}");
+            changed += 1;
+        }
+        assert!(changed > 0);
     }
 
     #[test]

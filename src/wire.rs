@@ -37,6 +37,16 @@ pub const MSG_PG_MARK: u16 = 42;
 pub const MSG_RECOVERY_READ: u16 = 43;
 /// A whole-shard write at recovery priority; a member already at or past its version skips it.
 pub const MSG_RECOVERY_WRITE: u16 = 44;
+// Admin range 50..=59 (client → node, JSON replies; docs/operations.md).
+pub const MSG_ADMIN_PERF_DUMP: u16 = 50;
+pub const MSG_ADMIN_PERF_RESET: u16 = 51;
+pub const MSG_ADMIN_SLOW_OPS: u16 = 52;
+/// Replace a shard at a version with reconstructed bytes (scrub and read repair).
+pub const MSG_SHARD_REPAIR: u16 = 70;
+/// Scrub control: start a pass now, or report the node's scrub state (JSON).
+pub const MSG_NODE_SCRUB: u16 = 71;
+/// Where a shard's data chunks sit on the node's device (tests and `nvstore scrub locate`).
+pub const MSG_NODE_LOCATE: u16 = 72;
 /// Every reply uses this type; its body starts with a [`Status`].
 pub const MSG_REPLY: u16 = 99;
 
@@ -69,6 +79,9 @@ pub enum Status {
     TimedOut = 15,
     NotLeader = 16,
     Internal = 17,
+    /// A stored checksum did not match: the message names device, byte offset and the
+    /// expected and found crc32c. The primary reads around the shard and repairs it.
+    Corrupted = 18,
 }
 
 impl Status {
@@ -93,6 +106,7 @@ impl Status {
             TimedOut,
             NotLeader,
             Internal,
+            Corrupted,
         ]
         .get(v as usize)
         .copied()
@@ -120,6 +134,7 @@ impl Status {
             TimedOut => "timed out",
             NotLeader => "not the monitor leader",
             Internal => "internal error",
+            Corrupted => "corrupt shard",
         }
     }
 }

@@ -69,6 +69,7 @@ struct Inner {
     engine: Engine,
     open_queues: AtomicU32,
     memory: Arc<HostMemory>,
+    io: crate::iostats::IoCounters,
 }
 
 /// A file or block device. Cheap to share: queues hold an `Arc` of the open file.
@@ -80,6 +81,11 @@ static URING_FALLBACK_LOGGED: Once = Once::new();
 static BUFFERED_FALLBACK_LOGGED: Once = Once::new();
 
 impl FileDevice {
+    /// IO counters over every queue of this device.
+    pub fn io_stats(&self) -> crate::iostats::IoStats {
+        self.inner.io.snapshot()
+    }
+
     /// Create (or truncate) a sparse regular file of `size_bytes` and open it.
     pub fn create(path: &Path, size_bytes: u64, opts: FileOptions) -> Result<Self> {
         let name: Arc<str> = path.display().to_string().into();
@@ -132,6 +138,7 @@ impl FileDevice {
                 engine,
                 open_queues: AtomicU32::new(0),
                 memory: HostMemory::new(BUF_ALIGN_BYTES),
+                io: crate::iostats::IoCounters::default(),
             }),
         })
     }
@@ -381,6 +388,7 @@ impl FileQueue {
         } else {
             Ok(())
         };
+        self.dev.io.completed(result.is_ok());
         Completion {
             tag: req.tag,
             op: req.op,
@@ -548,6 +556,7 @@ impl QueueHandle for FileQueue {
         } else {
             0
         };
+        self.dev.io.submitted(req.op, expect as u64);
         let ring = match &mut self.ring {
             Ring::Uring(st) => st.ring.as_mut(),
             Ring::Sync(_) => None,

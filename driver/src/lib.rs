@@ -12,6 +12,7 @@ pub mod dma;
 pub mod error;
 pub mod file;
 pub mod io;
+pub mod iostats;
 pub mod nvme;
 pub mod sim;
 pub mod workload;
@@ -22,5 +23,6 @@ pub use device::{
 pub use dma::{DmaBuf, DmaOwner, HostMemory};
 pub use error::{Error, Result};
 pub use file::{Engine, FileDevice, FileOptions};
+pub use iostats::{IoCounters, IoStats};
 pub use nvme::{Controller, NvmeDevice, NvmeOptions, NvmeQueue};
 pub use sim::{Fault, Latency, SimConfig, SimDevice};

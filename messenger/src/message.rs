@@ -172,6 +172,8 @@ pub struct Incoming {
     pub(crate) payload: Payload,
     pub(crate) responder: Option<Responder>,
     pub(crate) _ticket: Option<Ticket>,
+    /// How long the connection waited for throttle capacity before this message was read.
+    pub(crate) throttled: Option<std::time::Duration>,
 }
 
 impl Incoming {
@@ -194,6 +196,12 @@ impl Incoming {
 
     pub fn is_request(&self) -> bool {
         self.responder.is_some()
+    }
+
+    /// How long its connection stopped reading for throttle capacity before this message
+    /// was admitted; `None` when it was not throttled.
+    pub fn throttled(&self) -> Option<std::time::Duration> {
+        self.throttled
     }
 
     /// The reply handle of a request (to reply later or from elsewhere). `None` for one-way

@@ -212,6 +212,9 @@ struct Conn {
     conn_hold: Option<Hold>,
     global_hold: Option<Hold>,
     paused: bool,
+    /// When the connection last stopped reading for throttle capacity (cleared by the next
+    /// message it delivers, which carries the wait as [`Incoming::throttled`]).
+    paused_at: Option<std::time::Instant>,
     /// Events registered with epoll (0: not registered).
     interest: u32,
     lane: usize,
@@ -471,6 +474,7 @@ impl Worker {
             conn_hold: None,
             global_hold: None,
             paused: false,
+            paused_at: None,
             interest: 0,
             lane: id as usize % self.ctx.lanes.len().max(1),
             dirty: false,

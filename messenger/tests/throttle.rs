@@ -21,6 +21,8 @@ struct Recorder {
     seen: Mutex<Vec<(Identity, u32)>>,
     parked: Mutex<Vec<Incoming>>,
     slow_every: u32,
+    /// Messages that said their connection had waited for throttle capacity.
+    throttled: Mutex<u64>,
 }
 
 impl Dispatcher for Recorder {
@@ -36,6 +38,9 @@ impl Dispatcher for Recorder {
             "payload of #{seq} corrupted"
         );
         self.seen.lock().unwrap().push((msg.peer(), seq));
+        if msg.throttled().is_some() {
+            *self.throttled.lock().unwrap() += 1;
+        }
         if msg.msg_type() == PARK {
             self.parked.lock().unwrap().push(msg);
         } else if self.slow_every > 0 && seq % self.slow_every == 0 {
@@ -118,6 +123,12 @@ fn throttled_connections_lose_and_reorder_nothing() {
         "every paused connection was woken"
     );
     assert_eq!(class.paused, class.resumed);
+    // The first message read after each wait says so (op timelines show it as `throttled`).
+    let marked = *d.throttled.lock().unwrap();
+    assert!(
+        marked > 0 && marked <= conn.resumed + class.resumed,
+        "{marked} messages marked throttled"
+    );
     assert_eq!(conn.messages_max, 2);
     assert_eq!(class.messages_max, 5);
     assert_eq!(

@@ -6,6 +6,7 @@
 //! subscribed connection (nodes and clients). Map reads are served by any monitor from its
 //! applied state; commands go to the leader (others answer `NotLeader` naming it).
 
+mod metrics;
 pub mod raft;
 
 use std::collections::{BTreeMap, HashMap};
@@ -30,6 +31,8 @@ use raft::{MonCommand, MonStore, Network, Raft};
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often the leader checks heartbeats.
 const LIVENESS_TICK: Duration = Duration::from_millis(200);
+/// Hot objects a status report names.
+const HOT_OBJECTS_MAX: usize = 8;
 
 /// A map (full) or the incrementals that bring the asker up to date.
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
@@ -39,7 +42,7 @@ pub struct MapReply {
 }
 
 /// Cumulative counters a node reports in each heartbeat.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, Default, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, Default, PartialEq)]
 pub struct NodeStats {
     pub read_ops: u64,
     pub write_ops: u64,
@@ -48,6 +51,41 @@ pub struct NodeStats {
     pub shards: u64,
     pub used_bytes: u64,
     pub capacity_bytes: u64,
+    /// Ops slow within the last minute, or slow and still running.
+    #[serde(default)]
+    pub slow_ops: u64,
+    /// The longest of those, in milliseconds.
+    #[serde(default)]
+    pub slow_longest_ms: u64,
+    /// Scrub and repair counters (docs/architecture.md, "Scrub and repair").
+    #[serde(default)]
+    pub scrub: crate::node::scrub::ScrubStats,
+    /// The node's hottest objects (`node/hot.rs`).
+    #[serde(default)]
+    pub hot: Vec<crate::node::hot::HotObject>,
+    /// Client ops served in coalesced batches of more than one.
+    #[serde(default)]
+    pub batched_ops: u64,
+    /// Data reads served by another read's fetch.
+    #[serde(default)]
+    pub coalesced_reads: u64,
+    /// Data reads served from the hot-object cache.
+    #[serde(default)]
+    pub cache_hits: u64,
+    /// Shard fetches done for client reads.
+    #[serde(default)]
+    pub read_fetches: u64,
+    /// Messenger loop passes, and those that woke to find nothing to do.
+    #[serde(default)]
+    pub msgr_iterations: u64,
+    #[serde(default)]
+    pub msgr_empty_iterations: u64,
+    /// The node process's CPU time (user + system).
+    #[serde(default)]
+    pub cpu_ns: u64,
+    /// When the node took these figures (its clock), for rates from two reports.
+    #[serde(default)]
+    pub at_unix_ns: u64,
     #[serde(default)]
     pub recovery: crate::node::recovery::RecoveryStats,
 }
@@ -79,6 +117,16 @@ pub struct StatusReport {
     pub used_bytes: u64,
     pub capacity_bytes: u64,
     pub io: IoRates,
+    /// Scrub and repair counters summed over the up nodes; `last_complete_unix` is the
+    /// oldest node's last complete pass.
+    #[serde(default)]
+    pub scrub: crate::node::scrub::ScrubStats,
+    /// The hottest objects cluster-wide (each names the node that reported it).
+    #[serde(default)]
+    pub hot_objects: Vec<crate::node::hot::HotObject>,
+    /// Each up node's last heartbeat figures.
+    #[serde(default)]
+    pub node_stats: BTreeMap<u32, NodeStats>,
     /// Recovery summed over the up nodes.
     #[serde(default)]
     pub recovery: crate::node::recovery::RecoveryStats,
@@ -354,6 +402,26 @@ impl Monitor {
         }
     }
 
+    /// "N slow ops on node X, oldest Y s" for each up node that reported slow ops.
+    fn slow_op_details(&self, map: &ClusterMap) -> Vec<String> {
+        let seen = self.seen.lock().unwrap();
+        map.nodes
+            .values()
+            .filter(|n| n.up)
+            .filter_map(|n| {
+                let s = &seen.get(&n.id)?.stats;
+                (s.slow_ops > 0).then(|| {
+                    format!(
+                        "{} slow ops on node {}, oldest {:.1} s",
+                        s.slow_ops,
+                        n.id,
+                        s.slow_longest_ms as f64 / 1000.0
+                    )
+                })
+            })
+            .collect()
+    }
+
     pub fn status(&self) -> StatusReport {
         let map = self.store.shared.state.lock().unwrap().map.clone();
         let metrics = self.raft().metrics().borrow().clone();
@@ -401,6 +469,7 @@ impl Monitor {
                 recovery.pgs_pending
             ));
         }
+        detail.extend(self.slow_op_details(&map));
         let health = if pg_states.contains_key("down") {
             "HEALTH_ERR"
         } else if detail.is_empty() {
@@ -411,13 +480,17 @@ impl Monitor {
         let seen = self.seen.lock().unwrap();
         let mut io = IoRates::default();
         let (mut shards, mut used, mut cap) = (0, 0, 0);
+        let mut scrub = crate::node::scrub::ScrubStats::default();
+        let mut node_stats = BTreeMap::new();
         for n in map.nodes.values().filter(|n| n.up) {
             if let Some(s) = seen.get(&n.id) {
+                node_stats.insert(n.id, s.stats.clone());
                 io.read_ops_s += s.rates.read_ops_s;
                 io.write_ops_s += s.rates.write_ops_s;
                 io.read_bytes_s += s.rates.read_bytes_s;
                 io.write_bytes_s += s.rates.write_bytes_s;
                 shards += s.stats.shards;
+                scrub.add(&s.stats.scrub);
                 used += s.stats.used_bytes;
                 cap += s.stats.capacity_bytes;
             }
@@ -461,6 +534,15 @@ impl Monitor {
             used_bytes: used,
             capacity_bytes: cap,
             io,
+            scrub,
+            hot_objects: crate::node::hot::merge_hottest(
+                node_stats
+                    .iter()
+                    .map(|(id, s)| (*id, s.hot.clone()))
+                    .collect(),
+                HOT_OBJECTS_MAX,
+            ),
+            node_stats,
             recovery,
         }
     }
@@ -500,7 +582,12 @@ pub fn start(cfg: MonitorConfig) -> Result<Arc<Monitor>> {
         .map_err(|e| Error::io(format!("monitor data dir {}", cfg.data_dir.display()), e))?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
-        .thread_name("mon-raft")
+        .thread_name_fn(|| {
+            // Numbered so `top -H` tells the runtime's threads apart.
+            static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            format!("mon-raft-{n}")
+        })
         .enable_all()
         .build()
         .map_err(|e| Error::io("tokio runtime", e))?;
@@ -555,6 +642,7 @@ pub fn start(cfg: MonitorConfig) -> Result<Arc<Monitor>> {
     let _ = mon.raft.set(raft);
     let _ = disp.0.set(mon.clone());
     msgr.listen(listen)?;
+    mon.start_metrics(&msgr)?;
     if pristine && cfg.id == 1 {
         let members: BTreeMap<u64, BasicNode> = cfg
             .monitors

@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Mutex;
 
-use driver::FileDevice;
+use driver::{BlockDevice, FileDevice};
 use store::{ObjectKey, Store, StoreError, Transaction};
 
 use crate::error::{Error, Result};
@@ -549,7 +549,9 @@ impl Local {
                 t.remove(k.clone());
             }
         }
+        crate::optrack::event(crate::optrack::Ev::CommitStart, crate::optrack::NO_SHARD);
         let r = st.commit(t);
+        crate::optrack::event(crate::optrack::Ev::CommitEnd, crate::optrack::NO_SHARD);
         self.meta_cache.lock().unwrap().remove(&key);
         r?;
         self.pg_logs
@@ -650,7 +652,9 @@ impl Local {
         if st.exists(&log_key) {
             t.remove(log_key);
         }
+        crate::optrack::event(crate::optrack::Ev::CommitStart, crate::optrack::NO_SHARD);
         let r = st.commit(t);
+        crate::optrack::event(crate::optrack::Ev::CommitEnd, crate::optrack::NO_SHARD);
         self.meta_cache.lock().unwrap().remove(&key);
         r?;
         self.stat(pool, pg, name, shard)
@@ -718,6 +722,74 @@ impl Local {
 
     pub fn shard_count(&self) -> u64 {
         self.stores.iter().map(|s| s.object_count() as u64).sum()
+    }
+
+    /// Replace a shard with reconstructed bytes at `w.meta.version` (scrub and read repair).
+    /// Refused when the shard is already at a newer version (a write overtook the repair).
+    /// Unlike [`Local::apply`] it never reads the old bytes (they may be what is corrupt): a
+    /// shard repaired at its own version keeps its rollback record when that is readable; a
+    /// missing or stale shard gets none (the version it takes is on at least k shards, so it
+    /// is never rolled back) and no PG log entry.
+    pub fn repair(&self, w: &ShardWrite) -> Result<()> {
+        let st = self.store(w.pool, w.pg);
+        let key = ObjectKey::new(w.pool, w.name, w.shard);
+        let cur = self.meta(st, &key).ok().flatten().map_or(0, |m| m.version);
+        if cur > w.meta.version {
+            return Err(Error::remote(
+                Status::VersionMismatch,
+                format!(
+                    "shard {} is at version {cur}, newer than the repair's {}",
+                    w.shard, w.meta.version
+                ),
+            ));
+        }
+        let keep_rb = if cur == w.meta.version {
+            st.get_xattr(&key, XATTR_RB).ok()
+        } else {
+            None
+        };
+        let meta_bytes = w.meta.to_bytes();
+        let user: Vec<(String, &[u8])> = w
+            .xattrs
+            .iter()
+            .filter_map(|(k, v)| Some((format!("{USER_PREFIX}{k}"), v.as_deref()?)))
+            .collect();
+        let mut t = Transaction::new();
+        if st.exists(&key) {
+            t.remove(key.clone());
+        }
+        t.write_full(key.clone(), w.data);
+        t.set_xattr(key.clone(), XATTR_META, &meta_bytes);
+        if let Some(rb) = &keep_rb {
+            t.set_xattr(key.clone(), XATTR_RB, rb);
+        }
+        for (k, v) in &user {
+            t.set_xattr(key.clone(), k, v);
+        }
+        let r = st.commit(t);
+        self.meta_cache.lock().unwrap().remove(&key);
+        r?;
+        self.meta_cache.lock().unwrap().insert(key, Some(w.meta));
+        // Move the replay start past the log that held the bad copy: a store refuses to open
+        // when a batch it must replay fails its crc. Repairs are rare; a checkpoint is cheap
+        // next to leaving the node unable to restart.
+        if let Err(e) = st.checkpoint() {
+            tracing::warn!("checkpoint after repairing shard {}: {e}", w.shard);
+        }
+        Ok(())
+    }
+
+    /// Where a shard's data is: the device's name and (byte offset, length) per chunk.
+    pub fn locate(
+        &self,
+        pool: u64,
+        pg: u32,
+        name: &[u8],
+        shard: u8,
+    ) -> Result<(String, Vec<(u64, u64)>)> {
+        let st = self.store(pool, pg);
+        let ext = st.locate(&ObjectKey::new(pool, name, shard))?;
+        Ok((st.device().name().to_string(), ext))
     }
 }
 

@@ -5,12 +5,18 @@
 //! and in arrival order); `node-op-N` threads run client ops, one PG at a time per thread, in
 //! each PG's arrival order; `node-shard-N` threads apply shard ops against the local stores
 //! (they block on group commit, so there are several); `node-heartbeat` reports to the
-//! monitors; `node-recovery` plans recovery, `node-recovery-N` rebuild objects and
-//! `node-rshard-N` serve recovery messages at low priority (`recovery`).
+//! monitors; `node-scrub` runs the background scrub (`scrub.rs`); `node-recovery` plans
+//! recovery, `node-recovery-N` rebuild objects and `node-rshard-N` serve recovery messages at
+//! low priority (`recovery`).
 
+pub mod hot;
+pub mod identity;
 pub mod local;
+pub mod perf;
 pub mod primary;
 pub mod recovery;
+pub mod repair;
+pub mod scrub;
 
 use std::collections::{HashMap, VecDeque};
 use std::path::Path;
@@ -32,6 +38,7 @@ use crate::map::NodeInfo;
 use crate::monclient::MonClient;
 use crate::monitor::raft::MonCommand;
 use crate::monitor::NodeStats;
+use crate::optrack::{CurrentGuard, Ev, OpDesc, TrackedOp, NO_SHARD};
 use crate::wire::{self, Dec, Enc, Status};
 use local::{Local, ShardWrite};
 use primary::PgCache;
@@ -53,9 +60,11 @@ pub struct Counters {
     pub write_bytes: AtomicU64,
 }
 
+/// A client op waiting on its PG: the message and its tracking.
+pub type Job = (Incoming, Arc<TrackedOp>);
+
 struct PgSlot {
-    /// (arrival, message)
-    queue: VecDeque<(Instant, Incoming)>,
+    queue: VecDeque<Job>,
     running: bool,
     cache: Arc<Mutex<PgCache>>,
 }
@@ -74,10 +83,15 @@ pub struct Node {
     peers: Mutex<HashMap<u32, Connection>>,
     pgs: Mutex<HashMap<(u64, u32), PgSlot>>,
     run_q: Arc<WaitQueue<(u64, u32)>>,
-    shard_q: Arc<WaitQueue<Incoming>>,
+    shard_q: Arc<WaitQueue<(Incoming, Arc<TrackedOp>)>>,
     staging: Mutex<HashMap<(Identity, u64), Staged>>,
     codecs: Mutex<HashMap<ec::Profile, Arc<ec::Codec>>>,
     pub counters: Counters,
+    /// Op tracking, slow ops, counters of every subsystem (`perf dump`, metrics).
+    pub perf: perf::Perf,
+    pub scrub: scrub::Scrub,
+    /// Read coalescing, the hot-object cache and detector.
+    pub hot: hot::Hot,
     /// Recovery messages, served after client shard ops.
     recovery_q: Arc<WaitQueue<Incoming>>,
     pub recovery: recovery::Recovery,
@@ -102,6 +116,7 @@ impl Dispatcher for NodeDispatcher {
                 | wire::MSG_PG_MARK
                 | wire::MSG_RECOVERY_READ
                 | wire::MSG_RECOVERY_WRITE
+                | wire::MSG_SHARD_REPAIR
         )
     }
 
@@ -126,10 +141,8 @@ impl Dispatcher for NodeDispatcher {
             wire::MSG_SHARD_WRITE
             | wire::MSG_SHARD_READ
             | wire::MSG_SHARD_STAT
-            | wire::MSG_SHARD_ROLLBACK => {
-                node.recovery.client_shard_queued.fetch_add(1, Relaxed);
-                node.shard_q.push(msg);
-            }
+            | wire::MSG_SHARD_ROLLBACK
+            | wire::MSG_SHARD_REPAIR => node.enqueue_shard_op(msg),
             wire::MSG_SHARD_LIST
             | wire::MSG_PG_LOG
             | wire::MSG_PG_MARK
@@ -139,6 +152,11 @@ impl Dispatcher for NodeDispatcher {
                 let r = match t {
                     wire::MSG_CLIENT_STAGE => node.stage(&msg),
                     wire::MSG_CLIENT_LIST => node.list(&msg),
+                    wire::MSG_ADMIN_PERF_DUMP
+                    | wire::MSG_ADMIN_PERF_RESET
+                    | wire::MSG_ADMIN_SLOW_OPS => node.admin(&msg),
+                    wire::MSG_NODE_SCRUB => node.scrub_control(&msg),
+                    wire::MSG_NODE_LOCATE => node.locate(&msg),
                     _ => Err(Error::Malformed(format!("unknown message type {t}"))),
                 };
                 node.reply(&mut msg, r);
@@ -213,7 +231,7 @@ impl Node {
 
     /// Put a client op on its PG's queue (on the messenger worker: cheap, in arrival order).
     fn enqueue_op(&self, mut msg: Incoming) {
-        let key = {
+        let (key, op) = {
             let mut d = Dec::new(msg.payload());
             match (d.u64(), d.u64(), d.bytes()) {
                 (Ok(_), Ok(pool), Ok(name)) => {
@@ -222,7 +240,8 @@ impl Node {
                         .pools
                         .get(&pool)
                         .map_or(0, |p| crate::placement::pg_of(p, name));
-                    (pool, pg)
+                    let desc = OpDesc::new("client_op", msg.peer(), pool, pg, name);
+                    ((pool, pg), self.perf.ops.begin(desc, msg.throttled()))
                 }
                 _ => {
                     return self.reply(
@@ -238,7 +257,8 @@ impl Node {
             running: false,
             cache: Arc::new(Mutex::new(PgCache::default())),
         });
-        slot.queue.push_back((Instant::now(), msg));
+        op.event(Ev::Queued, NO_SHARD);
+        slot.queue.push_back((msg, op));
         if !slot.running {
             slot.running = true;
             self.run_q.push(key);
@@ -248,29 +268,77 @@ impl Node {
     fn op_thread(self: Arc<Self>) {
         while let Some(key) = self.run_q.pop() {
             loop {
-                let (job, cache) = {
+                let (jobs, cache) = {
                     let mut pgs = self.pgs.lock().unwrap();
                     let slot = pgs.get_mut(&key).expect("queued PG has a slot");
                     match slot.queue.pop_front() {
-                        Some(j) => (j, slot.cache.clone()),
+                        Some(j) if self.hot.enabled => {
+                            (hot::take_batch(j, &mut slot.queue), slot.cache.clone())
+                        }
+                        Some(j) => (vec![j], slot.cache.clone()),
                         None => {
                             slot.running = false;
                             break;
                         }
                     }
                 };
-                let (arrived, mut job) = job;
-                let r = self.run_client_op(&job, &cache);
-                self.reply_parts(&mut job, r);
-                self.recovery.client_latency(arrived.elapsed());
+                self.run_jobs(jobs, &cache);
+                // Still holding the PG: rewrite corrupt shards the ops' reads met.
+                self.run_read_repairs(key);
             }
         }
     }
 
+    /// Reply and stop tracking the op.
+    pub(super) fn finish_op(
+        &self,
+        msg: &mut Incoming,
+        op: &Arc<TrackedOp>,
+        r: Result<Vec<SendBuf>>,
+    ) {
+        let status: std::borrow::Cow<'static, str> = match &r {
+            Ok(_) => "ok".into(),
+            Err(e) => e.message().into(),
+        };
+        self.reply_parts(msg, r);
+        self.perf.ops.finish(op, &status);
+        if msg.msg_type() == wire::MSG_CLIENT_OP {
+            self.recovery.client_latency(op.age());
+        }
+    }
+
+    /// Track a shard op and queue it for the shard threads (on the messenger worker).
+    fn enqueue_shard_op(&self, msg: Incoming) {
+        let kind = match msg.msg_type() {
+            wire::MSG_SHARD_WRITE => "shard_write",
+            wire::MSG_SHARD_READ => "shard_read",
+            wire::MSG_SHARD_STAT => "shard_stat",
+            wire::MSG_SHARD_REPAIR => "shard_repair",
+            _ => "shard_rollback",
+        };
+        let desc = {
+            // Every shard op starts: epoch, pool, pg, name (shard_op checks it all again).
+            let mut d = Dec::new(msg.payload());
+            let _ = d.u64();
+            match (d.u64(), d.u32(), d.bytes()) {
+                (Ok(pool), Ok(pg), Ok(name)) => OpDesc::new(kind, msg.peer(), pool, pg, name),
+                _ => OpDesc::new(kind, msg.peer(), 0, 0, b""),
+            }
+        };
+        let op = self.perf.ops.begin(desc, msg.throttled());
+        op.event(Ev::Queued, NO_SHARD);
+        self.recovery.client_shard_queued.fetch_add(1, Relaxed);
+        self.shard_q.push((msg, op));
+    }
+
     fn shard_thread(self: Arc<Self>) {
-        while let Some(mut msg) = self.shard_q.pop() {
-            let r = self.shard_op(&msg);
-            self.reply_parts(&mut msg, r);
+        while let Some((mut msg, op)) = self.shard_q.pop() {
+            op.event(Ev::Started, NO_SHARD);
+            let r = {
+                let _current = CurrentGuard::set(&op);
+                self.shard_op(&msg)
+            };
+            self.finish_op(&mut msg, &op, r);
             self.recovery.client_shard_queued.fetch_sub(1, Relaxed);
         }
     }
@@ -313,6 +381,12 @@ impl Node {
                 let w = ShardWrite::decode(&mut d)?;
                 self.check_shard_sender(msg, epoch, w.pool, w.pg)?;
                 self.local.apply(&w)?;
+                Ok(vec![SendBuf::Vec(wire::reply_ok(self.epoch(), &[]))])
+            }
+            wire::MSG_SHARD_REPAIR => {
+                let w = ShardWrite::decode(&mut d)?;
+                self.check_shard_sender(msg, epoch, w.pool, w.pg)?;
+                self.local.repair(&w)?;
                 Ok(vec![SendBuf::Vec(wire::reply_ok(self.epoch(), &[]))])
             }
             t => {
@@ -428,12 +502,14 @@ impl Node {
     }
 
     fn stats(&self) -> NodeStats {
+        let (slow_ops, slow_longest_ms) = self.perf.ops.health();
         let (mut used, mut cap) = (0, 0);
         for s in &self.local.stores {
             let sp = s.space();
             used += sp.live_bytes;
             cap += sp.segments_total * sp.segment_bytes;
         }
+        let msgr = self.msgr().stats();
         NodeStats {
             read_ops: self.counters.read_ops.load(Relaxed),
             write_ops: self.counters.write_ops.load(Relaxed),
@@ -442,8 +518,61 @@ impl Node {
             shards: self.local.shard_count(),
             used_bytes: used,
             capacity_bytes: cap,
+            slow_ops,
+            slow_longest_ms,
+            scrub: self.scrub.counts.snapshot(),
+            hot: self.hot.hottest(),
+            batched_ops: self.hot.counters.batched_ops.load(Relaxed),
+            coalesced_reads: self.hot.counters.coalesced_reads.load(Relaxed),
+            cache_hits: self.hot.counters.cache_hits.load(Relaxed),
+            read_fetches: self.hot.counters.read_fetches.load(Relaxed),
+            msgr_iterations: msgr.total(|w| w.iterations),
+            msgr_empty_iterations: msgr.total(|w| w.empty_iterations),
+            cpu_ns: hot::process_cpu_ns(),
+            at_unix_ns: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
             recovery: self.recovery.stats(),
         }
+    }
+
+    /// Run `f` holding a PG's turn: no client op of the PG runs meanwhile (ops that arrive
+    /// queue up and run after). Waits up to `wait` for the turn; `None` if it never came.
+    pub(crate) fn with_pg<T>(
+        &self,
+        key: (u64, u32),
+        wait: Duration,
+        f: impl FnOnce() -> T,
+    ) -> Option<T> {
+        let deadline = Instant::now() + wait;
+        loop {
+            {
+                let mut pgs = self.pgs.lock().unwrap();
+                let slot = pgs.entry(key).or_insert_with(|| PgSlot {
+                    queue: VecDeque::new(),
+                    running: false,
+                    cache: Arc::new(Mutex::new(PgCache::default())),
+                });
+                if !slot.running {
+                    slot.running = true;
+                    break;
+                }
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let r = f();
+        let mut pgs = self.pgs.lock().unwrap();
+        let slot = pgs.get_mut(&key).expect("held PG has a slot");
+        if slot.queue.is_empty() {
+            slot.running = false;
+        } else {
+            // Ops queued meanwhile: hand the PG (still marked running) to an op thread.
+            self.run_q.push(key);
+        }
+        Some(r)
     }
 
     fn heartbeat_loop(self: Arc<Self>) {
@@ -504,7 +633,8 @@ fn open_devices(cfg: &NodeConfig, fsid: &[u8; 16]) -> Result<Vec<Store<FileDevic
 }
 
 /// Start a node; returns once it has registered with the monitors.
-pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
+pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
+    cfg.id = identity::node_identity(&cfg)?;
     let secret = Secret::load(&cfg.key_file)?;
     std::fs::create_dir_all(&cfg.data_dir)
         .map_err(|e| Error::io(format!("data dir {}", cfg.data_dir.display()), e))?;
@@ -555,12 +685,16 @@ pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
         staging: Mutex::new(HashMap::new()),
         codecs: Mutex::new(HashMap::new()),
         counters: Counters::default(),
+        perf: perf::Perf::new(Duration::from_millis(cfg.slow_op_ms)),
+        scrub: scrub::Scrub::load(&cfg.data_dir),
+        hot: hot::Hot::new(cfg.read_coalescing, cfg.hot_cache_bytes),
         recovery_q: Arc::new(WaitQueue::new()),
         recovery: recovery::Recovery::default(),
     });
     let _ = node.msgr.set(msgr.clone());
     let _ = disp.node.set(node.clone());
     let addr = msgr.listen(cfg.listen)?;
+    node.start_metrics()?;
     for i in 0..cfg.op_threads.max(1) {
         let n = node.clone();
         std::thread::Builder::new()
@@ -614,6 +748,11 @@ pub fn start(cfg: NodeConfig) -> Result<Arc<Node>> {
     std::thread::Builder::new()
         .name("node-recovery".into())
         .spawn(move || n.recovery_loop())
+        .map_err(|e| Error::io("spawn", e))?;
+    let n = node.clone();
+    std::thread::Builder::new()
+        .name("node-scrub".into())
+        .spawn(move || n.scrub_loop())
         .map_err(|e| Error::io("spawn", e))?;
     info!("node {} up at {addr}, map epoch {}", cfg.id, r.epoch);
     if !monc.map().nodes.contains_key(&cfg.id) {

@@ -27,6 +27,7 @@ use super::Node;
 use crate::error::{Error, Result};
 use crate::map::{ClusterMap, PoolInfo};
 use crate::ops::{self, ClientOp, ObjStat, OpResult, SubOp};
+use crate::optrack::{self, Ev};
 use crate::placement::{pg_of, Acting};
 use crate::queue::WaitQueue;
 use crate::wire::{self, Dec, Enc, Status};
@@ -36,7 +37,7 @@ const SHARD_TIMEOUT: Duration = Duration::from_secs(10);
 /// Pause before sending a shard write again to a member that failed it.
 const RETRY_PAUSE: Duration = Duration::from_millis(250);
 /// Attempts of an op whose cached object state turned out stale.
-const OP_ATTEMPTS_MAX: u32 = 3;
+pub(super) const OP_ATTEMPTS_MAX: u32 = 3;
 /// Objects whose state a PG keeps cached.
 const CACHE_OBJECTS_MAX: usize = 4096;
 /// Longest xattr name.
@@ -107,19 +108,19 @@ fn now_ns() -> u64 {
         .map_or(0, |d| d.as_nanos() as u64)
 }
 
-fn bit(slot: usize) -> u64 {
+pub(super) fn bit(slot: usize) -> u64 {
     1u64 << slot
 }
 
 /// Internal: the cached state was stale; resolve again and retry.
-fn stale() -> Error {
+pub(super) fn stale() -> Error {
     Error::remote(Status::VersionMismatch, "stale cached object state")
 }
 
 /// The mutation part of a request.
-struct Mutation<'a> {
-    data: Option<SubOp<'a>>,
-    xattrs: Vec<(String, Option<Vec<u8>>)>,
+pub(super) struct Mutation<'a> {
+    pub(super) data: Option<SubOp<'a>>,
+    pub(super) xattrs: Vec<(String, Option<Vec<u8>>)>,
 }
 
 impl Node {
@@ -153,7 +154,7 @@ impl Node {
         }
     }
 
-    fn ctx(&self, op: &ClientOp) -> Result<Ctx> {
+    pub(super) fn ctx(&self, op: &ClientOp) -> Result<Ctx> {
         let map = self.monc.map();
         let pool = map.pools.get(&op.pool).cloned().ok_or_else(|| {
             Error::remote(
@@ -193,15 +194,7 @@ impl Node {
         let ctx = self.ctx(op)?;
         let m = check_ops(op)?;
         let mut c = cache.lock().unwrap();
-        // Trust cached object states only while no node changed state since they were
-        // learnt: this node may have stopped being primary meanwhile (another one wrote), or a
-        // member may have missed writes.
-        let changed = self.monc.node_change_epoch();
-        if c.members != ctx.acting.members || c.node_change_epoch != changed {
-            c.members = ctx.acting.members.clone();
-            c.node_change_epoch = changed;
-            c.objs.clear();
-        }
+        self.refresh_cache(&ctx, &mut c);
         let st = self.resolve(&ctx, &mut c, op.name)?;
         for o in &op.ops {
             match o {
@@ -258,11 +251,36 @@ impl Node {
             st.version
         } else {
             self.counters.write_ops.fetch_add(1, Relaxed);
+            self.hot.invalidate(op.pool, op.name);
             self.write(&ctx, &mut c, op.name, &st, m, staged)?
         };
         let mut e = Enc::new(ctx.map.epoch);
         e.u16(Status::Ok as u16);
         Ok(ops::encode_results_parts(e, version, results))
+    }
+
+    /// Erasure-coding counters: `bytes` of object data went through `encode`.
+    fn count_encoded(&self, bytes: usize) {
+        let ec = &self.perf.ec;
+        ec.encode_calls.fetch_add(1, Relaxed);
+        ec.encoded_bytes.fetch_add(bytes as u64, Relaxed);
+    }
+
+    /// Trust cached object states only while no node changed state since they were learnt:
+    /// this node may have stopped being primary meanwhile (another one wrote), or a member may
+    /// have missed writes.
+    pub(super) fn refresh_cache(&self, ctx: &Ctx, c: &mut PgCache) {
+        let changed = self.monc.node_change_epoch();
+        if c.members != ctx.acting.members || c.node_change_epoch != changed {
+            c.members = ctx.acting.members.clone();
+            c.node_change_epoch = changed;
+            c.objs.clear();
+        }
+    }
+
+    /// Forget a cached object state (it turned out stale).
+    pub(super) fn forget(c: &mut PgCache, name: &[u8]) {
+        c.objs.remove(name);
     }
 
     // ---- shard requests -------------------------------------------------------------------
@@ -291,6 +309,7 @@ impl Node {
             }
             sent += 1;
             let tx = replies.clone();
+            optrack::event(Ev::SubOpSent, slot as u8);
             match self.peer(node) {
                 Ok(conn) => {
                     let msg = OutMessage { msg_type, parts };
@@ -308,13 +327,27 @@ impl Node {
             }
         }
         let mut out = Vec::new();
+        let ack = |slot: usize, r: &Result<Payload>| {
+            let ev = if r.is_ok() {
+                Ev::SubOpAcked
+            } else {
+                Ev::SubOpFailed
+            };
+            optrack::event(ev, slot as u8);
+        };
         for (slot, parts) in mine {
-            out.push((slot, local(slot, parts)));
+            optrack::event(Ev::SubOpSent, slot as u8);
+            let r = local(slot, parts);
+            ack(slot, &r);
+            out.push((slot, r));
         }
         // Every request ends in exactly one callback (reply, timeout or connection loss).
         for _ in 0..sent {
             match replies.pop() {
-                Some(r) => out.push(r),
+                Some(r) => {
+                    ack(r.0, &r.1);
+                    out.push(r)
+                }
                 None => break,
             }
         }
@@ -322,7 +355,10 @@ impl Node {
     }
 
     /// The local half of a small shard request (stat, read, rollback).
-    fn local_small(&self, msg_type: u16) -> impl Fn(usize, Vec<SendBuf>) -> Result<Payload> + '_ {
+    pub(super) fn local_small(
+        &self,
+        msg_type: u16,
+    ) -> impl Fn(usize, Vec<SendBuf>) -> Result<Payload> + '_ {
         move |_slot, parts: Vec<SendBuf>| {
             let body: Vec<u8> = parts
                 .iter()
@@ -482,7 +518,7 @@ impl Node {
 
     /// Fetch shard ranges (slot, offset, len) at the object's version, clipped to the shard's
     /// meaningful bytes and zero-padded to `len`.
-    fn fetch(
+    pub(super) fn fetch(
         &self,
         ctx: &Ctx,
         name: &[u8],
@@ -530,7 +566,7 @@ impl Node {
     }
 
     /// Object bytes `[offset, offset + len)` (clamped to the size), degraded when needed.
-    fn read_range(
+    pub(super) fn read_range(
         &self,
         ctx: &Ctx,
         name: &[u8],
@@ -542,9 +578,19 @@ impl Node {
             return Ok(Vec::new());
         }
         // A shard that fails to answer is read around (degraded), as long as k others can.
+        // A corrupt one is also repaired after the op (`repair::note_corrupt`).
         let mut excluded = 0u64;
+        let mut corrupt = 0u64;
         loop {
-            match self.read_range_without(ctx, name, st, offset, len, excluded) {
+            let r = self.read_range_without(ctx, name, st, offset, len, excluded);
+            if let Err(Error::FetchFailed(slot, e)) = &r {
+                if e.status() == Status::Corrupted {
+                    corrupt |= bit(*slot);
+                }
+            } else if r.is_ok() && corrupt != 0 {
+                self.note_corrupt(ctx, name, st, corrupt);
+            }
+            match r {
                 Err(Error::Remote {
                     status: Status::VersionMismatch,
                     message,
@@ -649,6 +695,10 @@ impl Node {
                 }
                 ctx.codec.reconstruct(&mut slots)?;
             }
+            let ec = &self.perf.ec;
+            ec.reconstruct_calls.fetch_add(1, Relaxed);
+            ec.reconstructed_bytes
+                .fetch_add(missing.len() as u64 * (hi - lo), Relaxed);
             got.into_iter()
                 .chain(wanted)
                 .map(|(s, v)| (s, (lo, Fetched::from_vec(v))))
@@ -737,6 +787,9 @@ impl Node {
             }
             Some(SubOp::Append(data)) => {
                 let data = with_staged(data);
+                self.counters
+                    .write_bytes
+                    .fetch_add(data.len() as u64, Relaxed);
                 Plan::Range(if st.exists() { st.size } else { 0 }, data)
             }
             _ => Plan::Meta,
@@ -778,6 +831,7 @@ impl Node {
                     return Err(too_large(data.len() as u64));
                 }
                 let shards = encode_full(ctx, &data);
+                self.count_encoded(data.len());
                 (
                     data.len() as u64,
                     deleted,
@@ -888,11 +942,15 @@ impl Node {
         {
             return Ok(None);
         }
-        let old: HashMap<usize, Vec<u8>> = self
-            .fetch(ctx, name, st, &want)?
-            .into_iter()
-            .map(|(s, f)| (s, f.padded()))
-            .collect();
+        // A shard that cannot be read (corrupt, gone) leaves it to the read-modify-write,
+        // which reads around it.
+        let old: HashMap<usize, Vec<u8>> = match self.fetch(ctx, name, st, &want) {
+            Err(Error::FetchFailed(..)) => return Ok(None),
+            r => r?,
+        }
+        .into_iter()
+        .map(|(s, f)| (s, f.padded()))
+        .collect();
         let mut new: BTreeMap<usize, Vec<u8>> = ranges
             .iter()
             .map(|(j, (lo, hi))| (*j, vec![0u8; (hi - lo) as usize]))
@@ -918,6 +976,10 @@ impl Node {
             let mut slices: Vec<&mut [u8]> = parity.iter_mut().map(|v| &mut v[a..b]).collect();
             ctx.codec.parity_delta(*j, &old[j], &new[j], &mut slices);
         }
+        self.perf
+            .ec
+            .delta_bytes
+            .fetch_add(data.len() as u64, Relaxed);
         tracing::debug!(
             "parity delta: {} at {off}+{}: data shards {:?}, parity [{plo}, {phi})",
             String::from_utf8_lossy(name),
@@ -964,6 +1026,7 @@ impl Node {
         buf[at..at + data.len()].copy_from_slice(data);
         let stripes = buf.len() / ctx.profile.stripe_width() as usize;
         let mut shards = stripes_to_shards(ctx, &buf, stripes);
+        self.count_encoded(buf.len());
         let s_off = s0 * u;
         for (slot, v) in shards.iter_mut().enumerate() {
             let keep = ctx
@@ -1114,7 +1177,7 @@ impl Node {
 
 /// A shard range as read: the bytes the member returned (clipped to the shard's meaningful
 /// length; a view of the reply, not a copy) and the logical length, zeros past the bytes.
-struct Fetched {
+pub(super) struct Fetched {
     data: Payload,
     len: usize,
 }
@@ -1136,7 +1199,7 @@ impl Fetched {
         out[have..].fill(0);
     }
 
-    fn padded(&self) -> Vec<u8> {
+    pub(super) fn padded(&self) -> Vec<u8> {
         let mut v = vec![0u8; self.len];
         self.copy_into(0, &mut v);
         v
@@ -1157,7 +1220,7 @@ fn parse_state(p: &[u8]) -> Result<ShardState> {
     ShardState::decode(&mut d)
 }
 
-fn not_found(name: &[u8]) -> Error {
+pub(super) fn not_found(name: &[u8]) -> Error {
     Error::remote(
         Status::NotFound,
         format!("no object {:?}", String::from_utf8_lossy(name)),
@@ -1175,7 +1238,7 @@ fn too_large(n: u64) -> Error {
 }
 
 /// Validate a request's sub-ops and split out its mutation.
-fn check_ops<'a>(op: &ClientOp<'a>) -> Result<Mutation<'a>> {
+pub(super) fn check_ops<'a>(op: &ClientOp<'a>) -> Result<Mutation<'a>> {
     let bad = |m: String| Error::remote(Status::Invalid, m);
     if op.ops.is_empty() {
         return Err(bad("request has no sub-ops".into()));

@@ -902,6 +902,7 @@ impl<D: BlockDevice> Committer<D> {
             })
         };
         let mut user_bytes = 0u64;
+        self.sh.stats.round_txns.record(accepted.len() as u64);
         for a in accepted {
             {
                 let mut segs = self.sh.segs.lock().unwrap();

@@ -584,4 +584,16 @@ impl<D: BlockDevice + 'static> Store<D> {
     pub fn meta(&self, key: &ObjectKey) -> Option<Arc<ObjectMeta>> {
         self.sh.index.get(key).map(|e| e.value().clone())
     }
+
+    /// Where an object's data chunks sit on the device now: (byte offset, length) of each
+    /// stored chunk in order, holes skipped (the xattr map is not included). The cleaner may
+    /// move them later. For tools and for tests that corrupt data in place.
+    pub fn locate(&self, key: &ObjectKey) -> Result<Vec<(u64, u64)>> {
+        let m = self.sh.lookup(key)?;
+        Ok(m.chunks
+            .iter()
+            .filter(|r| r.len.get() > 0)
+            .map(|r| (r.offset.get(), r.len.get() as u64))
+            .collect())
+    }
 }

@@ -23,6 +23,29 @@ impl Counter {
     }
 }
 
+/// Buckets of [`RoundHistogram`]: 1, 2, 3-4, 5-8, ..., 65-128, and more than 128.
+pub const ROUND_TXNS_BUCKETS: usize = 9;
+
+/// How many transactions each group-commit round made durable (log2 buckets).
+#[derive(Debug, Default)]
+pub struct RoundHistogram([Counter; ROUND_TXNS_BUCKETS]);
+
+impl RoundHistogram {
+    /// Bucket of a round of `txns` transactions: the smallest `i` with `txns <= 2^i`.
+    pub fn bucket(txns: u64) -> usize {
+        let i = txns.max(1).next_power_of_two().trailing_zeros() as usize;
+        i.min(ROUND_TXNS_BUCKETS - 1)
+    }
+
+    pub fn record(&self, txns: u64) {
+        self.0[Self::bucket(txns)].inc();
+    }
+
+    pub fn snapshot(&self) -> [u64; ROUND_TXNS_BUCKETS] {
+        std::array::from_fn(|i| self.0[i].get())
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct Stats {
     /// User transactions committed.
@@ -49,6 +72,8 @@ pub struct Stats {
     pub next_op_seq: Counter,
     pub replay_start_batch: Counter,
     pub log_head_batch: Counter,
+    /// Transactions per commit round (user and background).
+    pub round_txns: RoundHistogram,
 }
 
 /// A snapshot of the counters that matter for reports.
@@ -67,6 +92,9 @@ pub struct StatsSnapshot {
     pub read_bytes: u64,
     pub corrupt_reads: u64,
     pub cleaned_segments: u64,
+    /// Commit rounds by transactions made durable: bucket i holds rounds of at most 2^i
+    /// (and more than 2^(i-1)); the last bucket holds everything larger.
+    pub round_txns: [u64; ROUND_TXNS_BUCKETS],
 }
 
 impl StatsSnapshot {
@@ -97,6 +125,21 @@ impl Stats {
             read_bytes: self.read_bytes.get(),
             corrupt_reads: self.corrupt_reads.get(),
             cleaned_segments: self.cleaned_segments.get(),
+            round_txns: self.round_txns.snapshot(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_sizes_land_in_log2_buckets() {
+        let h = RoundHistogram::default();
+        for n in [0, 1, 2, 3, 4, 5, 8, 9, 128, 129, 10_000] {
+            h.record(n);
+        }
+        assert_eq!(h.snapshot(), [2, 1, 2, 2, 1, 0, 0, 1, 2]);
     }
 }

@@ -167,3 +167,33 @@ fn background_scrub_finds_flips_on_its_own() {
     want.sort();
     assert_eq!(keys, want);
 }
+
+#[test]
+fn locate_names_the_device_extents_of_an_objects_data() {
+    let (dev, s) = fresh(64, 12);
+    let objs = fill(&s, 6, 3);
+    for (name, d) in &objs {
+        let ext = s.locate(&key(name)).unwrap();
+        let m = s.meta(&key(name)).unwrap();
+        assert_eq!(
+            ext.len(),
+            m.chunks.iter().filter(|c| c.len.get() > 0).count()
+        );
+        assert!(
+            ext.iter().map(|e| e.1).sum::<u64>() >= d.len() as u64,
+            "{name}"
+        );
+    }
+    assert!(matches!(
+        s.locate(&key("absent")),
+        Err(StoreError::NotFound(_))
+    ));
+    // A bit flipped at a located offset is what a read then reports.
+    let (name, _) = &objs[2];
+    let (off, _) = s.locate(&key(name)).unwrap()[0];
+    assert_eq!(dev.flip_bits(off / BS, 1, 1, 5).len(), 1);
+    match s.read_vec(&key(name), 0, u64::MAX) {
+        Err(StoreError::Corrupted { offset, .. }) => assert_eq!(offset, off),
+        other => panic!("{other:?}"),
+    }
+}

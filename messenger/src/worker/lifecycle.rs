@@ -112,6 +112,7 @@ impl Worker {
         c.conn_hold = None;
         c.global_hold = None;
         c.paused = false;
+        c.paused_at = None;
         c.rx.discard();
         c.tx = Tx::default();
         let was_open = matches!(c.phase, Phase::Open);

@@ -304,6 +304,7 @@ impl Worker {
 
     pub(super) fn pause(&mut self, c: &mut Conn) -> bool {
         c.paused = true;
+        c.paused_at.get_or_insert_with(std::time::Instant::now);
         // Dropping read interest cannot fail in a way we could act on here; a failure shows up
         // on the next epoll_ctl or read.
         let _ = self.apply_interest(c);
@@ -364,6 +365,7 @@ impl Worker {
             payload,
             responder,
             _ticket: Some(ticket),
+            throttled: c.paused_at.take().map(|t| t.elapsed()),
         };
         let d = &self.ctx.shared.dispatcher;
         if d.runs_inline(header.msg_type) || self.ctx.lanes.is_empty() {

@@ -1,0 +1,300 @@
+//! A node's performance counters: collection from every subsystem (messenger, stores,
+//! devices, erasure coding, ops, and any subsystem that registers a source), `perf dump`
+//! JSON, `perf reset`, slow ops, and the Prometheus page.
+//!
+//! Reset keeps the raw counters (Prometheus needs them monotonic) and remembers them as a
+//! baseline; `perf dump` reports counters minus that baseline. Gauges are never reset.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use messenger::Incoming;
+use serde_json::{json, Map, Value};
+
+use super::Node;
+use crate::error::{Error, Result};
+use crate::optrack::OpTracker;
+use crate::prom::{Kind, Sample, Samples};
+use crate::wire::{self, Dec, Status};
+
+/// Bytes through the erasure codec at this node (as a primary).
+#[derive(Default)]
+pub struct EcCounters {
+    /// Data bytes encoded into full stripes (parity computed).
+    pub encoded_bytes: AtomicU64,
+    /// Data bytes whose change was applied to parity by delta (small overwrites).
+    pub delta_bytes: AtomicU64,
+    /// Shard bytes rebuilt from k surviving shards (degraded reads, repair).
+    pub reconstructed_bytes: AtomicU64,
+    pub encode_calls: AtomicU64,
+    pub reconstruct_calls: AtomicU64,
+}
+
+/// Group-commit batch sizes: `store::stats::RoundHistogram`'s buckets.
+const ROUND_BUCKET_NAMES: [&str; store::stats::ROUND_TXNS_BUCKETS] = [
+    "commit_rounds_txns_le_1",
+    "commit_rounds_txns_le_2",
+    "commit_rounds_txns_le_4",
+    "commit_rounds_txns_le_8",
+    "commit_rounds_txns_le_16",
+    "commit_rounds_txns_le_32",
+    "commit_rounds_txns_le_64",
+    "commit_rounds_txns_le_128",
+    "commit_rounds_txns_gt_128",
+];
+
+/// (name, kind, value, help) of one sample.
+type Row = (&'static str, Kind, u64, &'static str);
+
+/// Adds a subsystem's samples to a collection.
+pub type PerfSource = Box<dyn Fn(&mut Samples) + Send + Sync>;
+
+/// The node's observability state.
+pub struct Perf {
+    pub ops: OpTracker,
+    pub ec: EcCounters,
+    started: Instant,
+    /// Counter values at the last reset, by sample key.
+    baseline: Mutex<(u64, HashMap<String, u64>)>,
+    sources: Mutex<Vec<PerfSource>>,
+}
+
+impl Perf {
+    pub fn new(slow_op: Duration) -> Perf {
+        Perf {
+            ops: OpTracker::new(slow_op),
+            ec: EcCounters::default(),
+            started: Instant::now(),
+            baseline: Mutex::new((0, HashMap::new())),
+            sources: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Where a subsystem (recovery, scrub, ...) registers its counters: `source` is called on
+    /// every `perf dump` and scrape and pushes samples into its own group (e.g. "recovery",
+    /// which becomes the `recovery` object of `perf dump` and `nvstore_recovery_*` metrics).
+    pub fn register_source(&self, source: PerfSource) {
+        self.sources.lock().unwrap().push(source);
+    }
+}
+
+fn key(s: &Sample) -> String {
+    match &s.label {
+        Some((k, v)) => format!("{}/{}/{k}={v}", s.group, s.name),
+        None => format!("{}/{}", s.group, s.name),
+    }
+}
+
+impl Node {
+    /// Every sample of this node, raw (not reset).
+    pub fn perf_samples(&self) -> Samples {
+        let mut s = Samples::default();
+        crate::prom::messenger_samples(&self.msgr().stats(), &mut s);
+        self.store_samples(&mut s);
+        self.node_samples(&mut s);
+        for src in self.perf.sources.lock().unwrap().iter() {
+            src(&mut s);
+        }
+        s
+    }
+
+    fn store_samples(&self, out: &mut Samples) {
+        use Kind::{Counter as C, Gauge as G};
+        for st in &self.local.stores {
+            let dev = store::Uuid(&st.label().device_uuid).to_string();
+            let (t, sp, io) = (st.stats(), st.space(), st.device().io_stats());
+            #[rustfmt::skip]
+            let store: [Row; 16] = [
+                ("txns", C, t.txns, "Store transactions committed"),
+                ("user_bytes", C, t.user_bytes, "Object data bytes written by users"),
+                ("device_bytes_written", C, t.device_bytes_written, "Bytes written to the device"),
+                ("commit_rounds", C, t.rounds, "Group-commit rounds (durable points)"),
+                ("batches", C, t.batches, "Log batches written"),
+                ("flushes", C, t.flushes, "Device cache flushes"),
+                ("fua_rounds", C, t.fua_rounds, "Rounds made durable by one FUA write"),
+                ("checkpoints", C, t.checkpoints, "Index checkpoints written"),
+                ("cleaner_relocated_bytes", C, t.relocated_bytes, "Bytes the cleaner relocated"),
+                ("cleaner_segments", C, t.cleaned_segments, "Segments the cleaner freed"),
+                ("reads", C, t.reads, "Store reads"),
+                ("read_bytes", C, t.read_bytes, "Bytes read by the store"),
+                ("corrupt_reads", C, t.corrupt_reads, "Reads that found a crc mismatch"),
+                ("live_bytes", G, sp.live_bytes, "Live bytes in the store"),
+                ("segments_free", G, sp.segments_free, "Free segments"),
+                ("segments_total", G, sp.segments_total, "Segments on the device"),
+            ];
+            #[rustfmt::skip]
+            let driver: [Row; 10] = [
+                ("reads", C, io.reads, "Device read commands"),
+                ("writes", C, io.writes, "Device write commands"),
+                ("flushes", C, io.flushes, "Device flush commands"),
+                ("other_ios", C, io.other, "Write-zeroes and deallocate commands"),
+                ("read_bytes", C, io.read_bytes, "Bytes read from the device"),
+                ("write_bytes", C, io.write_bytes, "Bytes written to the device"),
+                ("completions", C, io.completions, "Device commands completed"),
+                ("errors", C, io.errors, "Device commands that failed"),
+                ("queue_depth", G, io.in_flight, "Device commands in flight now"),
+                ("queue_depth_max", G, io.in_flight_max, "Most device commands in flight at once"),
+            ];
+            let rounds = ROUND_BUCKET_NAMES.iter().zip(t.round_txns);
+            let by_size: Vec<Row> = rounds
+                .map(|(name, n)| (*name, C, n, "Commit rounds by transactions made durable"))
+                .collect();
+            for (group, rows) in [
+                ("store", &store[..]),
+                ("store", &by_size),
+                ("driver", &driver[..]),
+            ] {
+                for &(name, kind, v, help) in rows {
+                    out.push(group, name, help, kind, Some(("device", dev.clone())), v);
+                }
+            }
+        }
+    }
+
+    fn node_samples(&self, out: &mut Samples) {
+        use Kind::{Counter as C, Gauge as G};
+        let (c, e, ops) = (&self.counters, &self.perf.ec, &self.perf.ops);
+        let (done, slow) = ops.totals();
+        let (recent, longest) = ops.health();
+        let threshold = ops.threshold().as_millis() as u64;
+        #[rustfmt::skip]
+        let rows: [(&'static str, Row); 20] = [
+            ("client", ("read_ops", C, c.read_ops.load(Relaxed), "Client read ops run as primary")),
+            ("client", ("write_ops", C, c.write_ops.load(Relaxed), "Client write ops run as primary")),
+            ("client", ("read_bytes", C, c.read_bytes.load(Relaxed), "Bytes returned to clients")),
+            ("client", ("write_bytes", C, c.write_bytes.load(Relaxed), "Bytes clients wrote")),
+            ("ec", ("encoded_bytes", C, e.encoded_bytes.load(Relaxed), "Data bytes encoded in full stripes")),
+            ("ec", ("delta_bytes", C, e.delta_bytes.load(Relaxed), "Data bytes applied to parity by delta")),
+            ("ec", ("reconstructed_bytes", C, e.reconstructed_bytes.load(Relaxed), "Shard bytes rebuilt")),
+            ("ec", ("encode_calls", C, e.encode_calls.load(Relaxed), "Stripe encode calls")),
+            ("ec", ("reconstruct_calls", C, e.reconstruct_calls.load(Relaxed), "Reconstruct calls")),
+            ("ops", ("finished", C, done, "Client and shard ops answered")),
+            ("ops", ("slow", C, slow, "Ops that took slow_op_ms or longer")),
+            ("ops", ("in_flight", G, ops.in_flight(), "Ops received and not yet answered")),
+            ("ops", ("slow_recent", G, recent, "Ops slow within the last minute, or slow and running")),
+            ("ops", ("slow_longest_ms", G, longest, "Longest of those ops, in milliseconds")),
+            ("ops", ("slow_threshold_ms", G, threshold, "The slow_op_ms setting")),
+            ("node", ("shards", G, self.local.shard_count(), "Shards stored on this node")),
+            ("node", ("uptime_s", G, self.perf.started.elapsed().as_secs(), "Seconds since start")),
+            ("node", ("op_threads", G, self.cfg.op_threads as u64, "Threads running client ops")),
+            ("node", ("shard_threads", G, super::SHARD_THREADS as u64, "Threads running shard ops")),
+            ("node", ("devices", G, self.local.stores.len() as u64, "Devices this node serves")),
+        ];
+        for (group, (name, kind, v, help)) in rows {
+            out.push(group, name, help, kind, None, v);
+        }
+    }
+
+    /// `perf dump`: counters since the last reset, gauges as they are.
+    pub fn perf_dump(&self) -> Value {
+        let samples = self.perf_samples();
+        let (reset_ms, base) = {
+            let b = self.perf.baseline.lock().unwrap();
+            (b.0, b.1.clone())
+        };
+        let mut root = Map::new();
+        root.insert("node_id".into(), json!(self.id));
+        root.insert("reset_unix_ms".into(), json!(reset_ms));
+        // Every group a subsystem may register is present, even before it has counters.
+        root.insert("recovery".into(), json!({}));
+        for s in &samples.0 {
+            let v = match s.kind {
+                Kind::Counter => s
+                    .value
+                    .saturating_sub(base.get(&key(s)).copied().unwrap_or(0)),
+                Kind::Gauge => s.value,
+            };
+            let Some(g) = root
+                .entry(s.group)
+                .or_insert_with(|| json!({}))
+                .as_object_mut()
+            else {
+                continue; // a group named like a top-level field: not one of ours
+            };
+            match &s.label {
+                None => {
+                    g.insert(s.name.into(), json!(v));
+                }
+                Some((lk, lv)) => {
+                    if s.kind == Kind::Counter {
+                        let t = g.entry(s.name).or_insert(json!(0));
+                        *t = json!(t.as_u64().unwrap_or(0) + v);
+                    }
+                    g.entry(format!("by_{lk}"))
+                        .or_insert_with(|| json!({}))
+                        .as_object_mut()
+                        .expect("object")
+                        .entry(lv.clone())
+                        .or_insert_with(|| json!({}))
+                        .as_object_mut()
+                        .expect("object")
+                        .insert(s.name.into(), json!(v));
+                }
+            }
+        }
+        if let Some(st) = root.get_mut("store").and_then(Value::as_object_mut) {
+            let txns = st.get("txns").and_then(Value::as_u64).unwrap_or(0);
+            let rounds = st.get("commit_rounds").and_then(Value::as_u64).unwrap_or(0);
+            if rounds > 0 {
+                st.insert(
+                    "group_commit_txns_per_round".into(),
+                    json!(txns as f64 / rounds as f64),
+                );
+            }
+        }
+        Value::Object(root)
+    }
+
+    /// `perf reset`: counters start again from zero in `perf dump`.
+    pub fn perf_reset(&self) {
+        let samples = self.perf_samples();
+        let base = samples
+            .0
+            .iter()
+            .filter(|s| s.kind == Kind::Counter)
+            .map(|s| (key(s), s.value))
+            .collect();
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        *self.perf.baseline.lock().unwrap() = (now, base);
+    }
+
+    /// The Prometheus page of this node.
+    pub fn metrics_text(&self) -> String {
+        crate::prom::render(&self.perf_samples().0, &[("node", self.id.to_string())])
+    }
+
+    /// `MSG_ADMIN_*`: perf dump, perf reset, slow ops (JSON replies).
+    pub(super) fn admin(&self, msg: &Incoming) -> Result<Vec<u8>> {
+        let mut d = Dec::new(msg.payload());
+        let _epoch = d.u64()?;
+        d.end()?;
+        let v = match msg.msg_type() {
+            wire::MSG_ADMIN_PERF_DUMP => self.perf_dump(),
+            wire::MSG_ADMIN_PERF_RESET => {
+                self.perf_reset();
+                json!({"node": self.id, "reset": true})
+            }
+            wire::MSG_ADMIN_SLOW_OPS => serde_json::to_value(self.perf.ops.report(self.id))
+                .map_err(|e| Error::remote(Status::Internal, format!("slow ops to JSON: {e}")))?,
+            t => return Err(Error::Malformed(format!("unknown admin message type {t}"))),
+        };
+        let body = serde_json::to_vec(&v)
+            .map_err(|e| Error::remote(Status::Internal, format!("to JSON: {e}")))?;
+        Ok(wire::reply_ok(self.epoch(), &body))
+    }
+
+    /// Serve the Prometheus page when `metrics_listen` is set.
+    pub(super) fn start_metrics(self: &Arc<Self>) -> Result<()> {
+        let Some(addr) = self.cfg.metrics_listen else {
+            return Ok(());
+        };
+        let n = self.clone();
+        let bound = crate::prom::serve(addr, "node-metrics", Arc::new(move || n.metrics_text()))?;
+        tracing::info!("node {}: metrics at http://{bound}/metrics", self.id);
+        Ok(())
+    }
+}

@@ -1,0 +1,252 @@
+//! Hot objects on a real cluster (monitor and node processes of the built binary): many
+//! clients reading one object get exact bytes and the primary's counters show the reads were
+//! coalesced or cached; a writer among readers never lets a read go back in time or mix
+//! versions; `nvstore status` names the hot object.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use nvstore::cluster_cmd::{render_status, LocalCluster, LocalOptions};
+use nvstore::monitor::{NodeStats, StatusReport};
+use nvstore::placement::{pg_of, Acting};
+use nvstore::Client;
+use rand::{Rng, RngCore, SeedableRng};
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// Independent client connections reading the hot object.
+const READERS: usize = 24;
+const READS_EACH: usize = 25;
+
+struct Harness {
+    lc: LocalCluster,
+    client: Client,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        let _ = self.lc.down();
+    }
+}
+
+fn cluster(o: LocalOptions) -> Harness {
+    let dir = tempfile::Builder::new()
+        .prefix("nvstore-hot-test-")
+        .tempdir()
+        .unwrap();
+    let lc = LocalCluster::new(dir.path(), Path::new(env!("CARGO_BIN_EXE_nvstore")));
+    lc.create(&LocalOptions {
+        device_bytes: 512 << 20,
+        ..o
+    })
+    .unwrap();
+    let client = match lc.up() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = lc.down();
+            panic!("cluster up: {e}");
+        }
+    };
+    Harness {
+        lc,
+        client,
+        _dir: dir,
+    }
+}
+
+fn bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    rand_chacha::ChaCha8Rng::seed_from_u64(seed).fill_bytes(&mut v);
+    v
+}
+
+fn primary_of(c: &Client, pool: u64, name: &[u8]) -> u32 {
+    let map = c.map();
+    let p = &map.pools[&pool];
+    Acting::compute(&map, p, pg_of(p, name))
+        .primary
+        .expect("the PG has a primary")
+}
+
+/// Poll status until `done` holds (heartbeats are asynchronous).
+fn status_until(c: &Client, what: &str, done: impl Fn(&StatusReport) -> bool) -> StatusReport {
+    let t = Instant::now();
+    loop {
+        let s = c.status().unwrap();
+        if done(&s) {
+            return s;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "status never showed {what}:\n{}",
+            render_status(&s)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn node_stats(s: &StatusReport, node: u32) -> NodeStats {
+    s.node_stats.get(&node).cloned().unwrap_or_default()
+}
+
+#[test]
+fn concurrent_readers_are_coalesced_writes_are_never_missed_and_status_names_the_hot_object() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(LocalOptions {
+        nodes: 8,
+        heartbeat_ms: 250,
+        ..LocalOptions::default()
+    });
+    let c = &h.client;
+    let pool = c.create_pool("h", 6, 2, 64 << 10, 16, None).unwrap();
+    let data = bytes(1, (1 << 20) + 3);
+    c.put(pool, b"hot", &data).unwrap();
+    let primary = primary_of(c, pool, b"hot");
+    let before = node_stats(&c.status().unwrap(), primary);
+
+    // Many independent clients read the object at once: whole, in pieces, and via `get`
+    // (stat, then a read asserting that version).
+    let clients: Vec<Client> = (0..READERS)
+        .map(|_| Client::from_config(&h.lc.client_config()).unwrap())
+        .collect();
+    let data_reads = AtomicU64::new(0);
+    let ops = AtomicU64::new(0);
+    std::thread::scope(|s| {
+        for (t, rc) in clients.iter().enumerate() {
+            let (data, data_reads, ops) = (&data, &data_reads, &ops);
+            s.spawn(move || {
+                let mut rng = rand::rngs::SmallRng::seed_from_u64(t as u64);
+                for i in 0..READS_EACH {
+                    let (lo, hi) = match i % 5 {
+                        0..=2 => (0, data.len()),
+                        _ => {
+                            let lo = rng.gen_range(0..data.len());
+                            (lo, rng.gen_range(lo..=data.len()))
+                        }
+                    };
+                    // `get` is a stat, then a read at that version.
+                    ops.fetch_add(if i % 5 == 2 { 2 } else { 1 }, SeqCst);
+                    let got = if i % 5 == 2 {
+                        rc.get(pool, b"hot").unwrap()
+                    } else {
+                        rc.get_range(pool, b"hot", lo as u64, (hi - lo) as u64)
+                            .unwrap()
+                    };
+                    assert!(got == data[lo..hi], "reader {t} read {i}: [{lo}, {hi})");
+                    if hi > lo {
+                        data_reads.fetch_add(1, SeqCst);
+                    }
+                }
+            });
+        }
+    });
+    let reads = data_reads.load(SeqCst);
+    // Every op's counters are final before its reply: a report counting all the ops has
+    // all the fetches and absorbed reads.
+    let ops_done = before.read_ops + ops.load(SeqCst);
+    let s = status_until(c, "the readers' ops", |s| {
+        node_stats(s, primary).read_ops >= ops_done
+    });
+    let after = node_stats(&s, primary);
+    let fetches = after.read_fetches - before.read_fetches;
+    let absorbed =
+        (after.coalesced_reads - before.coalesced_reads) + (after.cache_hits - before.cache_hits);
+    eprintln!(
+        "{reads} data reads by {READERS} clients: {fetches} fetches, {} coalesced, {} cached, {} ops in batches",
+        after.coalesced_reads - before.coalesced_reads,
+        after.cache_hits - before.cache_hits,
+        after.batched_ops - before.batched_ops
+    );
+    assert!(
+        absorbed * 2 > reads && fetches * 2 < reads,
+        "most of {reads} reads should share a fetch: {fetches} fetches, {absorbed} absorbed"
+    );
+    assert_eq!(
+        fetches + absorbed,
+        reads,
+        "every data read is fetched or absorbed"
+    );
+
+    // Status names it while it is hot (within the detector's window).
+    let s = status_until(c, "the hot object", |s| {
+        s.hot_objects
+            .iter()
+            .any(|h| h.pool == pool && h.name == "hot")
+    });
+    let hot = s.hot_objects.iter().find(|h| h.name == "hot").unwrap();
+    assert_eq!(hot.node, primary);
+    assert!(hot.ops_s >= 5.0, "{hot:?}");
+    assert!(
+        (READERS as u32 / 2..=READERS as u32 * 2).contains(&hot.clients),
+        "{READERS} clients estimated as {}",
+        hot.clients
+    );
+    assert!(hot.coalesced_pct > 50.0, "{hot:?}");
+    let text = render_status(&s);
+    assert!(
+        text.contains("hot objects:") && text.contains("h/hot: "),
+        "{text}"
+    );
+    assert!(after.cpu_ns > 0 && after.msgr_iterations >= after.msgr_empty_iterations);
+    assert!(after.msgr_iterations > 0, "{after:?}");
+
+    // A writer among readers: each version is one byte pattern; a read returns one whole
+    // version, never older than the last write acknowledged before the read was sent.
+    const SIZE: usize = 200 << 10;
+    const WRITES: u64 = 30;
+    let pattern = |i: u64| -> Vec<u8> { i.to_le_bytes().repeat(SIZE / 8) };
+    c.put(pool, b"mut", &pattern(0)).unwrap();
+    let acked = AtomicU64::new(0);
+    let done = AtomicBool::new(false);
+    let checked = AtomicU64::new(0);
+    let readers = &clients[..8];
+    std::thread::scope(|s| {
+        let (acked, done, checked) = (&acked, &done, &checked);
+        s.spawn(move || {
+            for i in 1..=WRITES {
+                c.put(pool, b"mut", &pattern(i)).unwrap();
+                acked.store(i, SeqCst);
+            }
+            done.store(true, SeqCst);
+        });
+        for (t, rc) in readers.iter().enumerate() {
+            s.spawn(move || {
+                let mut last = 0;
+                loop {
+                    let finished = done.load(SeqCst);
+                    let floor = acked.load(SeqCst);
+                    let got = rc.get_range(pool, b"mut", 0, SIZE as u64).unwrap();
+                    assert_eq!(got.len(), SIZE, "reader {t}");
+                    let v = u64::from_le_bytes(got[..8].try_into().unwrap());
+                    assert!(
+                        got == pattern(v),
+                        "reader {t}: version {v} mixed with others"
+                    );
+                    assert!(
+                        v >= floor,
+                        "reader {t}: read {v} after {floor} was acknowledged"
+                    );
+                    assert!(v >= last, "reader {t}: went back from {last} to {v}");
+                    last = v;
+                    checked.fetch_add(1, SeqCst);
+                    if finished {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    assert!(
+        checked.load(SeqCst) >= 8,
+        "readers ran alongside the writer"
+    );
+    let end = c.get(pool, b"mut").unwrap();
+    assert!(end == pattern(WRITES));
+    eprintln!(
+        "{} reads checked against {WRITES} writes",
+        checked.load(SeqCst)
+    );
+}

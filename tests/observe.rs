@@ -1,0 +1,618 @@
+//! Seeing inside a running cluster (real monitor and node processes): `perf dump` counters
+//! that move after a known workload, `perf reset`, slow ops with their timelines and the
+//! health warning, Prometheus scrapes of a node and a monitor parsed strictly, thread names,
+//! and clear errors for bad input.
+
+use std::collections::{BTreeMap, HashSet};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use messenger::{Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret};
+use nvstore::cluster_cmd::{LocalCluster, LocalOptions};
+use nvstore::wire::{self, Status};
+use nvstore::{Client, Error};
+use serde_json::Value;
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+const NODES: u32 = 4;
+const OBJECTS: usize = 12;
+const OBJECT_BYTES: usize = 48 << 10;
+
+struct Harness {
+    lc: LocalCluster,
+    client: Client,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        let _ = self.lc.down();
+    }
+}
+
+fn cluster(o: LocalOptions) -> Harness {
+    let dir = tempfile::Builder::new()
+        .prefix("nvstore-observe-")
+        .tempdir()
+        .unwrap();
+    let lc = LocalCluster::new(dir.path(), Path::new(env!("CARGO_BIN_EXE_nvstore")));
+    lc.create(&o).unwrap();
+    let client = match lc.up() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = lc.down();
+            panic!("cluster up: {e}");
+        }
+    };
+    Harness {
+        lc,
+        client,
+        _dir: dir,
+    }
+}
+
+fn u(v: &Value, path: &str) -> u64 {
+    let mut cur = v;
+    for p in path.split('.') {
+        cur = &cur[p];
+    }
+    cur.as_u64()
+        .unwrap_or_else(|| panic!("{path} is not a number in {v:#}"))
+}
+
+/// Sum of one counter over every node's dump.
+fn total(dumps: &[Value], path: &str) -> u64 {
+    dumps.iter().map(|d| u(d, path)).sum()
+}
+
+fn dump_all(c: &Client) -> Vec<Value> {
+    (1..=NODES).map(|n| c.perf_dump(n).unwrap()).collect()
+}
+
+fn write_objects(c: &Client, pool: u64, prefix: &str) {
+    for i in 0..OBJECTS {
+        let data = vec![i as u8 ^ 0x5a; OBJECT_BYTES];
+        c.put(pool, format!("{prefix}-{i}").as_bytes(), &data)
+            .unwrap();
+    }
+}
+
+// ---- Prometheus text format 0.0.4, parsed strictly -------------------------------------------
+
+type Labels = BTreeMap<String, String>;
+
+#[derive(Debug)]
+struct Scrape {
+    types: BTreeMap<String, String>,
+    samples: Vec<(String, Labels, f64)>,
+}
+
+impl Scrape {
+    fn get(&self, name: &str, want: &[(&str, &str)]) -> Vec<f64> {
+        self.samples
+            .iter()
+            .filter(|(n, l, _)| {
+                n == name
+                    && want
+                        .iter()
+                        .all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))
+            })
+            .map(|(_, _, v)| *v)
+            .collect()
+    }
+
+    fn sum(&self, name: &str) -> f64 {
+        let v = self.get(name, &[]);
+        assert!(!v.is_empty(), "no samples of {name}");
+        v.iter().sum()
+    }
+}
+
+fn valid_name(n: &str) -> bool {
+    let mut ch = n.chars();
+    ch.next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_' || c == ':')
+        && ch.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+}
+
+fn parse_labels(s: &str) -> Labels {
+    let mut out = Labels::new();
+    let b = s.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        let eq = s[i..].find('=').expect("label without =") + i;
+        let key = &s[i..eq];
+        assert!(valid_name(key), "bad label name {key:?}");
+        assert_eq!(b[eq + 1], b'"', "label value not quoted in {s:?}");
+        let mut v = String::new();
+        let mut j = eq + 2;
+        loop {
+            match b[j] {
+                b'\\' => {
+                    v.push(match b[j + 1] {
+                        b'n' => '\n',
+                        b'"' => '"',
+                        b'\\' => '\\',
+                        c => panic!("bad escape \\{} in {s:?}", c as char),
+                    });
+                    j += 2;
+                }
+                b'"' => break,
+                _ => {
+                    let c = s[j..].chars().next().unwrap();
+                    v.push(c);
+                    j += c.len_utf8();
+                }
+            }
+        }
+        assert!(
+            out.insert(key.to_string(), v).is_none(),
+            "duplicate label {key}"
+        );
+        i = j + 1;
+        if i < b.len() {
+            assert_eq!(b[i], b',', "labels not comma separated in {s:?}");
+            i += 1;
+        }
+    }
+    out
+}
+
+/// Every line is a HELP, a TYPE (before the metric's samples, once) or a sample of a typed
+/// metric; counters are named `_total`.
+fn parse_exposition(text: &str) -> Scrape {
+    let mut types = BTreeMap::new();
+    let mut helped = HashSet::new();
+    let mut samples = Vec::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, _) = rest.split_once(' ').expect("HELP has text");
+            assert!(
+                valid_name(name) && helped.insert(name.to_string()),
+                "{line}"
+            );
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, t) = rest.split_once(' ').expect("TYPE has a type");
+            assert!(valid_name(name), "{line}");
+            assert!(["counter", "gauge", "histogram", "summary", "untyped"].contains(&t));
+            assert!(
+                types.insert(name.to_string(), t.to_string()).is_none(),
+                "{line}"
+            );
+            if t == "counter" {
+                assert!(name.ends_with("_total"), "counter {name} not named _total");
+            }
+        } else {
+            assert!(
+                !line.starts_with('#') && !line.is_empty(),
+                "stray line {line:?}"
+            );
+            let (series, value) = line.rsplit_once(' ').expect("sample has a value");
+            let (name, labels) = match series.split_once('{') {
+                Some((n, l)) => (n, parse_labels(l.strip_suffix('}').expect("labels close"))),
+                None => (series, Labels::new()),
+            };
+            assert!(valid_name(name), "{line}");
+            assert!(types.contains_key(name), "sample before TYPE: {line}");
+            let v: f64 = value
+                .parse()
+                .unwrap_or_else(|_| panic!("bad value in {line}"));
+            samples.push((name.to_string(), labels, v));
+        }
+    }
+    Scrape { types, samples }
+}
+
+fn scrape(addr: SocketAddr) -> Scrape {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: test\r\n\r\n")
+        .unwrap();
+    let mut r = String::new();
+    s.read_to_string(&mut r).unwrap();
+    let (head, body) = r.split_once("\r\n\r\n").expect("HTTP response");
+    assert!(head.starts_with("HTTP/1.1 200 OK"), "{head}");
+    assert!(
+        head.contains("Content-Type: text/plain; version=0.0.4"),
+        "{head}"
+    );
+    parse_exposition(body)
+}
+
+// ---- threads ------------------------------------------------------------------------------
+
+/// Names every thread of `pid` has (`/proc/PID/task/*/comm`).
+fn thread_names(pid: i32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .map(|e| {
+            let p = e.unwrap().path().join("comm");
+            std::fs::read_to_string(p).unwrap().trim().to_string()
+        })
+        .collect()
+}
+
+/// Only the main thread carries the program's name; every other one is named for its job,
+/// and numbered ones are unique (a thread spawned unnamed would inherit its parent's name).
+fn assert_threads_named(pid: i32, allowed: &[&str]) {
+    let names = thread_names(pid);
+    let main = names.iter().filter(|n| *n == "nvstore").count();
+    assert_eq!(main, 1, "unnamed threads in {pid}: {names:?}");
+    let mut seen = HashSet::new();
+    for n in names.iter().filter(|n| *n != "nvstore") {
+        // io_uring's workers are named by the kernel.
+        if n.starts_with("iou-") {
+            continue;
+        }
+        assert!(
+            allowed.iter().any(|a| n.starts_with(a)),
+            "thread {n:?} of {pid} is not named for its job: {names:?}"
+        );
+        if n.ends_with(|c: char| c.is_ascii_digit()) {
+            assert!(seen.insert(n.clone()), "two threads named {n}: {names:?}");
+        }
+    }
+}
+
+/// Stop (SIGSTOP) a node holding a shard of an object, write the object, and find the write
+/// in the primary's in-flight slow ops with a request to that node's shard unanswered; then
+/// let the node go on and the write completes.
+fn stalled_op_shows_the_shard_it_waits_for(h: &Harness, pool: u64) {
+    const STOPPED: u32 = NODES;
+    let c = &h.client;
+    let map = c.map();
+    let p = &map.pools[&pool];
+    let (name, primary, slot) = (0..1000)
+        .find_map(|i| {
+            let name = format!("stall-{i}");
+            let pg = nvstore::placement::pg_of(p, name.as_bytes());
+            let a = nvstore::placement::Acting::compute(&map, p, pg);
+            let slot = a.members.iter().position(|m| *m == Some(STOPPED))?;
+            (a.primary != Some(STOPPED)).then(|| (name, a.primary.unwrap(), slot))
+        })
+        .expect("an object with a shard on the stopped node");
+    let pid = h.lc.start_member(&format!("node.{STOPPED}")).unwrap();
+    // SAFETY: signalling a node process this test's cluster started.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let found = std::thread::scope(|s| {
+        let writer = s.spawn(|| c.put(pool, name.as_bytes(), b"waits for a stopped node"));
+        let t = Instant::now();
+        let found = loop {
+            let r = c.slow_ops(primary).unwrap();
+            let stuck = r["in_flight"].as_array().unwrap().iter().find(|op| {
+                let on_slot = |ev: &str| {
+                    op["events"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .filter(|e| e["event"] == ev && e["shard"] == slot)
+                        .count()
+                };
+                op["object"] == name.as_str()
+                    && op["in_flight"] == true
+                    && on_slot("sub_op_sent") > on_slot("sub_op_acked") + on_slot("sub_op_failed")
+            });
+            if let Some(op) = stuck {
+                break Some(op.clone());
+            }
+            if t.elapsed() > Duration::from_secs(2) {
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+        writer
+            .join()
+            .unwrap()
+            .expect("the write completes once the node runs again");
+        found
+    });
+    let op = found.expect("the stalled write in the primary's in-flight slow ops");
+    assert_eq!(op["op"], "client_op");
+    assert!(op.get("status").is_none(), "no reply yet: {op:#}");
+    assert_eq!(
+        c.get(pool, name.as_bytes()).unwrap(),
+        b"waits for a stopped node"
+    );
+}
+
+#[test]
+fn counters_slow_ops_metrics_and_thread_names() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(LocalOptions {
+        nodes: NODES,
+        monitors: 1,
+        device_bytes: 256 << 20,
+        heartbeat_ms: 300,
+        // Every op counts as slow (a threshold of 0): the slow-op path runs for every op, so
+        // the test does not depend on how fast this machine is.
+        slow_op_ms: 0,
+        ..LocalOptions::default()
+    });
+    let c = &h.client;
+    let pool = c.create_pool("obs", 2, 1, 16 << 10, 8, None).unwrap();
+
+    // perf dump counters move by what a known workload did.
+    let before = dump_all(c);
+    write_objects(c, pool, "a");
+    let after = dump_all(c);
+    let delta = |path: &str| total(&after, path) - total(&before, path);
+    // Every object: k+m = 3 shard writes, each one store transaction.
+    assert!(delta("store.txns") >= 3 * OBJECTS as u64, "{after:#?}");
+    assert!(delta("client.write_ops") >= OBJECTS as u64);
+    // Exactly the bytes written, unless a lost reply made the client send a write again.
+    let written = (OBJECTS * OBJECT_BYTES) as u64;
+    assert!((written..2 * written).contains(&delta("client.write_bytes")));
+    assert!(delta("ec.encoded_bytes") >= (OBJECTS * OBJECT_BYTES) as u64);
+    assert!(delta("driver.writes") > 0 && delta("driver.write_bytes") > 0);
+    assert!(delta("store.flushes") + delta("store.fua_rounds") > 0);
+    assert!(delta("messenger.bytes_in") > (OBJECTS * OBJECT_BYTES) as u64);
+    assert!(delta("ops.finished") >= 4 * OBJECTS as u64);
+    for d in &after {
+        // Group-commit batch sizes: every round lands in one bucket (a round may finish
+        // between reading the round count and the buckets).
+        let buckets: u64 = ["1", "2", "4", "8", "16", "32", "64", "128"]
+            .iter()
+            .map(|b| u(d, &format!("store.commit_rounds_txns_le_{b}")))
+            .sum::<u64>()
+            + u(d, "store.commit_rounds_txns_gt_128");
+        let rounds = u(d, "store.commit_rounds");
+        assert!(
+            rounds > 0 && (rounds..=rounds + 1).contains(&buckets),
+            "{d:#}"
+        );
+        let dev = d["store"]["by_device"].as_object().expect("per device");
+        assert_eq!(dev.len(), 1, "{d:#}");
+        assert!(dev.values().all(|v| v["segments_total"].as_u64() > Some(0)));
+        assert!(d["messenger"]["by_worker"]["0"]["iterations"].is_u64());
+        assert!(d["throttle"]["by_class"]["client"]["acquired"].is_u64());
+        assert!(d["recovery"].is_object());
+        assert_eq!(u(d, "ops.slow_threshold_ms"), 0);
+    }
+
+    // perf reset zeroes counters, keeps gauges.
+    for n in 1..=NODES {
+        assert_eq!(c.perf_reset(n).unwrap()["reset"], true);
+    }
+    let reset = dump_all(c);
+    for d in &reset {
+        assert_eq!(u(d, "store.txns"), 0, "{d:#}");
+        assert_eq!(u(d, "client.write_ops"), 0);
+        assert_eq!(u(d, "ec.encoded_bytes"), 0);
+        assert_eq!(u(d, "driver.writes"), 0);
+        let dev = d["store"]["by_device"].as_object().unwrap();
+        let gauge = dev.values().next().unwrap()["segments_total"].as_u64();
+        assert!(gauge > Some(0), "gauges survive a reset");
+        assert!(u(d, "reset_unix_ms") > 0);
+    }
+    write_objects(c, pool, "b");
+    assert_eq!(c.get(pool, b"b-3").unwrap(), vec![3 ^ 0x5a; OBJECT_BYTES]);
+    let again = dump_all(c);
+    assert!(total(&again, "store.txns") >= 3 * OBJECTS as u64);
+    assert!(total(&again, "client.read_ops") >= 1);
+    assert!(total(&again, "client.read_bytes") >= OBJECT_BYTES as u64);
+
+    // Slow ops: with a 1 ms threshold the writes were slow; their timelines are in order.
+    let mut client_ops = Vec::new();
+    for n in 1..=NODES {
+        let r = c.slow_ops(n).unwrap();
+        assert_eq!(u(&r, "threshold_ms"), 0);
+        assert!(u(&r, "slow_total") > 0, "{r:#}");
+        for op in r["history"].as_array().unwrap() {
+            let evs: Vec<&str> = op["events"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| e["event"].as_str().unwrap())
+                .collect();
+            let offs: Vec<f64> = op["events"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| e["offset_ms"].as_f64().unwrap())
+                .collect();
+            assert!(offs.windows(2).all(|w| w[0] <= w[1]), "{op:#}");
+            assert_eq!(evs[0], "received", "{op:#}");
+            assert!(op["duration_ms"].as_f64().unwrap() > 0.0);
+            if op["events_dropped"] == 0 {
+                assert_eq!(*evs.last().unwrap(), "replied", "{op:#}");
+            }
+            if op["op"] == "client_op" {
+                client_ops.push((
+                    evs.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+                    op.clone(),
+                ));
+            }
+        }
+    }
+    let (evs, op) = client_ops
+        .iter()
+        .find(|(e, _)| e.contains(&"commit_start".to_string()))
+        .expect("a slow client op that committed a local shard");
+    let pos = |name: &str| {
+        evs.iter()
+            .position(|e| e == name)
+            .unwrap_or_else(|| panic!("{name} in {op:#}"))
+    };
+    assert!(pos("received") < pos("queued") && pos("queued") < pos("started"));
+    assert!(pos("started") < pos("sub_op_sent") && pos("sub_op_sent") < pos("sub_op_acked"));
+    assert!(pos("commit_start") < pos("commit_end"));
+    assert!(op["client"].as_str().unwrap().starts_with("client."));
+    assert!(op["object"].as_str().unwrap().len() >= 3);
+    assert_eq!(op["status"], "ok");
+
+    // An op stuck on a member shows, while in flight, which shard it waits for.
+    stalled_op_shows_the_shard_it_waits_for(&h, pool);
+
+    // Health warns about them (heartbeats carry the count).
+    let t = Instant::now();
+    let st = loop {
+        let st = c.status().unwrap();
+        if st
+            .health_detail
+            .iter()
+            .any(|d| d.contains("slow ops on node"))
+        {
+            break st;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "no slow-op warning: {st:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(st.health, "HEALTH_WARN", "{st:?}");
+    let line = st
+        .health_detail
+        .iter()
+        .find(|d| d.contains("slow ops on node"))
+        .unwrap();
+    assert!(line.contains(", oldest ") && line.ends_with(" s"), "{line}");
+
+    // Prometheus: a node and a monitor, scraped over HTTP and parsed strictly.
+    let node_addr =
+        h.lc.metrics_addr("node.1")
+            .unwrap()
+            .expect("node metrics port");
+    let mon_addr =
+        h.lc.metrics_addr("mon.1")
+            .unwrap()
+            .expect("monitor metrics port");
+    let s0 = scrape(node_addr);
+    assert_eq!(s0.types["nvstore_store_txns_total"], "counter");
+    assert_eq!(s0.types["nvstore_driver_queue_depth"], "gauge");
+    assert_eq!(
+        s0.get("nvstore_ops_slow_threshold_ms", &[("node", "1")]),
+        [0.0]
+    );
+    assert!(!s0
+        .get(
+            "nvstore_messenger_iterations_total",
+            &[("node", "1"), ("worker", "0")]
+        )
+        .is_empty());
+    assert!(s0
+        .samples
+        .iter()
+        .filter(|(n, ..)| n == "nvstore_store_txns_total")
+        .all(|(_, l, _)| l.contains_key("device")));
+    write_objects(c, pool, "c");
+    let s1 = scrape(node_addr);
+    assert!(
+        s1.sum("nvstore_messenger_bytes_in_total") > s0.sum("nvstore_messenger_bytes_in_total")
+    );
+    assert!(s1.sum("nvstore_ops_finished_total") > s0.sum("nvstore_ops_finished_total"));
+    assert!(
+        s1.sum("nvstore_store_txns_total") >= s0.sum("nvstore_store_txns_total"),
+        "counters never go back (perf reset does not touch Prometheus)"
+    );
+    let m = scrape(mon_addr);
+    assert_eq!(
+        m.get("nvstore_cluster_nodes_up", &[("monitor", "1")]),
+        [NODES as f64]
+    );
+    assert_eq!(m.get("nvstore_cluster_health", &[]), [1.0], "HEALTH_WARN");
+    assert_eq!(m.get("nvstore_monitor_is_leader", &[]), [1.0]);
+    assert!(m.sum("nvstore_messenger_frames_in_total") > 0.0);
+    assert!(m.sum("nvstore_node_slow_ops") > 0.0);
+
+    // Threads are named for their jobs.
+    let node_pid = h.lc.start_member("node.1").unwrap();
+    assert_threads_named(
+        node_pid,
+        &[
+            "msgr-worker-",
+            "msgr-handler-",
+            "node-op-",
+            "node-shard-",
+            "node-heartbeat",
+            "node-scrub",
+            "node-metrics",
+            "monc-poll",
+            "store-",
+        ],
+    );
+    let names = thread_names(node_pid);
+    assert!(names.iter().any(|n| n == "node-metrics") && names.iter().any(|n| n == "store-commit"));
+    let mon_pid = h.lc.start_member("mon.1").unwrap();
+    assert_threads_named(
+        mon_pid,
+        &[
+            "msgr-worker-",
+            "msgr-handler-",
+            "mon-raft-",
+            "mon-push",
+            "mon-liveness",
+            "mon-metrics",
+        ],
+    );
+
+    // Bad input gets a clear error, and the nodes keep serving.
+    let e = c.perf_dump(99).unwrap_err().to_string();
+    assert!(e.contains("no node 99 in the map"), "{e}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_nvstore"))
+        .args(["perf", "dump", "77", "--conf"])
+        .arg(h.lc.client_config())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no node 77"),
+        "{out:?}"
+    );
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_nvstore"))
+        .args(["slow-ops", "2", "--conf"])
+        .arg(h.lc.client_config())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["node"], 2);
+    raw_admin_requests_get_clear_errors(&h);
+    assert!(c.perf_dump(1).is_ok(), "the node keeps serving");
+}
+
+/// Admin messages straight to a node with bodies the client would never send.
+fn raw_admin_requests_get_clear_errors(h: &Harness) {
+    struct Nothing;
+    impl Dispatcher for Nothing {
+        fn handle(&self, _: Incoming) {}
+    }
+    let secret = Secret::load(&h.lc.dir.join("cluster.key")).unwrap();
+    let m = Messenger::new(
+        messenger::Config::default(),
+        Identity::Client(4243),
+        secret,
+        Arc::new(Nothing),
+    )
+    .unwrap();
+    let map = h.client.map();
+    let conn = m.connect(map.nodes[&1].addr, Identity::Node(1)).unwrap();
+    let ask = |t: u16, payload: Vec<u8>| -> String {
+        let r = conn
+            .request(OutMessage::new(t, payload), Duration::from_secs(10))
+            .unwrap();
+        match wire::parse_reply(&r.payload) {
+            Err(Error::Remote { status, message }) => {
+                assert_eq!(status, Status::Malformed, "{message}");
+                message
+            }
+            other => panic!("type {t}: {other:?}"),
+        }
+    };
+    let epoch = map.epoch.to_le_bytes().to_vec();
+    let short = ask(wire::MSG_ADMIN_PERF_DUMP, vec![1, 2]);
+    assert!(short.contains("bytes were expected"), "{short}");
+    let trailing = ask(wire::MSG_ADMIN_SLOW_OPS, [&epoch[..], b"xyz"].concat());
+    assert!(
+        trailing.contains("3 unexpected trailing bytes"),
+        "{trailing}"
+    );
+    let unknown = ask(59, epoch);
+    assert!(unknown.contains("unknown message type 59"), "{unknown}");
+}

@@ -1,0 +1,465 @@
+//! Scrub and repair with real node processes: bits flipped in shard data on several nodes'
+//! device images (while the nodes run) are never returned to a reader, and a scrub pass finds
+//! and repairs every one.
+
+use std::collections::BTreeSet;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use nvstore::cluster_cmd::{LocalCluster, LocalOptions};
+use nvstore::config::{write_toml, NodeConfig};
+use nvstore::node::scrub::{locate_request, ScrubStats};
+use nvstore::placement::{pg_of, Acting};
+use nvstore::scrub_cmd::scrub_call;
+use nvstore::{wire, Client};
+use rand::{Rng, RngCore, SeedableRng};
+
+const NODES: u32 = 8;
+const OBJECTS: usize = 24;
+const K: u32 = 6;
+const M: u32 = 2;
+const UNIT: u32 = 4096;
+
+struct Harness {
+    lc: LocalCluster,
+    client: Client,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        let _ = self.lc.down();
+    }
+}
+
+fn cluster() -> Harness {
+    let dir = tempfile::Builder::new()
+        .prefix("nvstore-scrub-")
+        .tempdir()
+        .unwrap();
+    let lc = LocalCluster::new(dir.path(), Path::new(env!("CARGO_BIN_EXE_nvstore")));
+    lc.create(&LocalOptions {
+        nodes: NODES,
+        monitors: 1,
+        device_bytes: 256 << 20,
+        down_grace_ms: 1500,
+        heartbeat_ms: 300,
+        ..LocalOptions::default()
+    })
+    .unwrap();
+    let client = match lc.up() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = lc.down();
+            panic!("cluster up: {e}");
+        }
+    };
+    Harness {
+        lc,
+        client,
+        _dir: dir,
+    }
+}
+
+fn bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    rand_chacha::ChaCha8Rng::seed_from_u64(seed).fill_bytes(&mut v);
+    v
+}
+
+/// Flip one random bit inside the data of `name`'s shard `slot` on the node holding it.
+/// Returns the node, or `None` when that shard holds no data.
+fn flip(c: &Client, pool: u64, name: &str, slot: usize, rng: &mut impl Rng) -> Option<u32> {
+    let map = c.map();
+    let p = &map.pools[&pool];
+    let node = Acting::compute(&map, p, pg_of(p, name.as_bytes())).members[slot]?;
+    let body = c
+        .node_call(
+            node,
+            wire::MSG_NODE_LOCATE,
+            &locate_request(pool, name.as_bytes(), slot as u8),
+        )
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let extents: Vec<(u64, u64)> = serde_json::from_value(v["extents"].clone()).unwrap();
+    if extents.is_empty() {
+        return None;
+    }
+    let (off, len) = extents[rng.gen_range(0..extents.len())];
+    let at = off + rng.gen_range(0..len);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(v["device"].as_str().unwrap())
+        .unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).unwrap();
+    b[0] ^= 1 << rng.gen_range(0..8);
+    f.write_all_at(&b, at).unwrap();
+    f.sync_all().unwrap();
+    Some(node)
+}
+
+/// Run one scrub pass on every up node; the pass counts summed over the nodes.
+fn scrub_pass(h: &Harness) -> ScrubStats {
+    let c = &h.client;
+    let nodes: Vec<u32> = c
+        .map()
+        .nodes
+        .values()
+        .filter(|n| n.up)
+        .map(|n| n.id)
+        .collect();
+    let before: Vec<u64> = nodes
+        .iter()
+        .map(|n| scrub_call(c, *n, 1).unwrap().totals.passes)
+        .collect();
+    let t = Instant::now();
+    let mut sum = ScrubStats::default();
+    for (n, b) in nodes.iter().zip(before) {
+        loop {
+            let s = scrub_call(c, *n, 0).unwrap();
+            if s.totals.passes > b && s.cursor.is_none() {
+                sum.add(&s.last_pass);
+                break;
+            }
+            if t.elapsed() > Duration::from_secs(60) {
+                let log = std::fs::read_to_string(h.lc.dir.join(format!("node.{n}.log")));
+                panic!(
+                    "node {n}: no scrub pass finished: {s:?}\n{}",
+                    log.unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    sum
+}
+
+fn totals(c: &Client) -> ScrubStats {
+    let mut sum = ScrubStats::default();
+    for n in c.map().nodes.values().filter(|n| n.up) {
+        sum.add(&scrub_call(c, n.id, 0).unwrap().totals);
+    }
+    sum
+}
+
+#[test]
+fn flipped_bits_are_never_read_and_scrub_repairs_them() {
+    let h = cluster();
+    let c = &h.client;
+    let pool = c.create_pool("s", K, M, UNIT, 8, None).unwrap();
+    let seed = std::env::var("NVSTORE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    println!("seed {seed}");
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let objects: Vec<(String, Vec<u8>)> = (0..OBJECTS)
+        .map(|i| {
+            let len = rng.gen_range((K * UNIT) as usize..200_000);
+            (format!("obj-{i}"), bytes(seed ^ i as u64, len))
+        })
+        .collect();
+    for (name, data) in &objects {
+        c.put(pool, name.as_bytes(), data).unwrap();
+    }
+    let clean = scrub_pass(&h);
+    assert_eq!(clean.objects, OBJECTS as u64, "{clean:?}");
+    assert_eq!(clean.crc_errors + clean.missing + clean.parity_errors, 0);
+    // A pass interrupted by a crash resumes at its saved cursor. (Before any flips: a store
+    // whose not yet checkpointed log holds a flipped bit refuses to reopen, by design.)
+    resume_after_crash(&h, pool);
+
+    // Round 1: one bit in each of 10 distinct shards (data and parity, several nodes); the
+    // scrub finds every one and rebuilds it.
+    let mut hit = BTreeSet::new();
+    let mut nodes_hit = BTreeSet::new();
+    while hit.len() < 10 {
+        let o = rng.gen_range(0..OBJECTS);
+        let slot = rng.gen_range(0..(K + M) as usize);
+        // At most m bad shards per object: more is beyond what the code can rebuild.
+        if hit.contains(&(o, slot)) || hit.iter().filter(|(x, _)| *x == o).count() >= M as usize {
+            continue;
+        }
+        if let Some(n) = flip(c, pool, &objects[o].0, slot, &mut rng) {
+            hit.insert((o, slot));
+            nodes_hit.insert(n);
+        }
+    }
+    let pass = scrub_pass(&h);
+    println!(
+        "round 1: {} flips on nodes {nodes_hit:?}; scrub pass: {pass:?}",
+        hit.len()
+    );
+    assert!(nodes_hit.len() >= 2);
+    assert_eq!(pass.crc_errors, hit.len() as u64, "every flip detected");
+    if pass.repaired != hit.len() as u64 {
+        for n in 1..=NODES {
+            let log = std::fs::read_to_string(h.lc.dir.join(format!("node.{n}.log")));
+            for l in log
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| l.contains("WARN"))
+            {
+                println!("node.{n}: {l}");
+            }
+        }
+    }
+    assert_eq!(pass.repaired, hit.len() as u64, "every flip repaired");
+    assert_eq!(pass.unrepairable + pass.missing + pass.parity_errors, 0);
+    // The counts ride the heartbeats into `nvstore status`.
+    let t = Instant::now();
+    let status = loop {
+        let s = c.status().unwrap();
+        if s.scrub.crc_errors >= hit.len() as u64 && s.scrub.passes >= 2 * NODES as u64 {
+            break s;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "status: {:?}",
+            s.scrub
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let text = nvstore::cluster_cmd::render_status(&status);
+    println!("{}", text.lines().find(|l| l.contains("scrub:")).unwrap());
+    assert!(
+        text.contains(&format!("{} crc errors", hit.len())),
+        "{text}"
+    );
+    let again = scrub_pass(&h);
+    assert_eq!(
+        again.crc_errors + again.repaired + again.unrepairable,
+        0,
+        "{again:?}"
+    );
+    for (name, data) in &objects {
+        assert!(c.get(pool, name.as_bytes()).unwrap() == *data, "{name}");
+    }
+
+    // Round 2: flips in data shards of 6 objects; reads return exact bytes (read around the
+    // corrupt shard) and repair them after replying.
+    let before = totals(c);
+    let mut hit = BTreeSet::new();
+    let mut nodes_hit = BTreeSet::new();
+    while hit.len() < 6 {
+        let o = rng.gen_range(0..OBJECTS);
+        if hit.iter().any(|(x, _)| *x == o) {
+            continue;
+        }
+        let slot = rng.gen_range(0..K as usize);
+        if let Some(n) = flip(c, pool, &objects[o].0, slot, &mut rng) {
+            hit.insert((o, slot));
+            nodes_hit.insert(n);
+        }
+    }
+    for (name, data) in &objects {
+        assert!(
+            c.get(pool, name.as_bytes()).unwrap() == *data,
+            "{name} reads exact bytes"
+        );
+    }
+    let t = Instant::now();
+    let after = loop {
+        let a = totals(c);
+        if a.read_repaired - before.read_repaired >= hit.len() as u64 {
+            break a;
+        }
+        assert!(t.elapsed() < Duration::from_secs(20), "read repairs: {a:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    println!(
+        "round 2: {} flips in data shards; reads met {} corrupt shards and repaired {}",
+        hit.len(),
+        after.read_corrupt - before.read_corrupt,
+        after.read_repaired - before.read_repaired
+    );
+    assert_eq!(after.read_corrupt - before.read_corrupt, hit.len() as u64);
+    let last = scrub_pass(&h);
+    assert_eq!(
+        last.crc_errors + last.missing + last.unrepairable,
+        0,
+        "{last:?}"
+    );
+
+    // Parity that disagrees with its data while every crc is fine (a bad write, say): the
+    // scrub names the stripes and rewrites the parity from the data.
+    let (name, _) = &objects[0];
+    let stripes = zero_parity(&h, pool, name);
+    let pass = scrub_pass(&h);
+    println!("parity shard zeroed in {stripes} stripe(s) of {name}: scrub pass {pass:?}");
+    assert_eq!(pass.parity_errors, stripes, "{pass:?}");
+    assert_eq!(pass.repaired, 1, "{pass:?}");
+    assert_eq!(pass.crc_errors + pass.unrepairable, 0, "{pass:?}");
+    let again = scrub_pass(&h);
+    assert_eq!(again.parity_errors + again.repaired, 0, "{again:?}");
+
+    // A node whose device held flipped bits restarts (repairs checkpoint the store, so the
+    // bad copies are not in the log it replays).
+    let n = *nodes_hit.iter().next().unwrap();
+    restart(&h, n);
+    println!("node.{n} (had flipped bits) restarted");
+    for (name, data) in &objects {
+        assert!(c.get(pool, name.as_bytes()).unwrap() == *data, "{name}");
+    }
+
+    // With two nodes gone, every object still decodes to its exact bytes.
+    h.lc.stop_member("node.2", true).unwrap();
+    h.lc.stop_member("node.5", true).unwrap();
+    let t = Instant::now();
+    while [2, 5].iter().any(|i| c.map().nodes[i].up) {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "nodes never marked down"
+        );
+        let _ = c.refresh_map();
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for (name, data) in &objects {
+        assert!(
+            c.get(pool, name.as_bytes()).unwrap() == *data,
+            "{name} with nodes 2 and 5 down"
+        );
+    }
+}
+
+/// Slow one node's scrub down, start a pass, kill the node once the pass saved a cursor past
+/// its first object, restart it (fast again) and check that it resumed there and finished.
+fn resume_after_crash(h: &Harness, pool: u64) {
+    let c = &h.client;
+    let map = c.map();
+    let p = &map.pools[&pool];
+    let mut led = std::collections::BTreeMap::<u32, u32>::new();
+    for pg in 0..p.pg_num {
+        *led.entry(Acting::compute(&map, p, pg).primary.unwrap())
+            .or_default() += 1;
+    }
+    let node = *led.iter().max_by_key(|(_, n)| **n).unwrap().0;
+    let member = format!("node.{node}");
+    let conf = h.lc.dir.join(&member).join("node.toml");
+    let set_rate = |bps: u64| {
+        let mut cfg = NodeConfig::load(&conf).unwrap();
+        cfg.scrub_bytes_per_sec = bps;
+        write_toml(&conf, &cfg).unwrap();
+    };
+    let restart = || restart(h, node);
+    set_rate(64 << 10);
+    restart();
+    let passes = scrub_call(c, node, 1).unwrap().totals.passes;
+    let t = Instant::now();
+    let saved = loop {
+        let text = std::fs::read_to_string(h.lc.dir.join(&member).join("scrub.json"));
+        let cursor = text
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|v| v["cursor"]["after_hex"].as_str().map(str::to_string))
+            .filter(|a| !a.is_empty());
+        if let Some(a) = cursor {
+            break a;
+        }
+        assert!(t.elapsed() < Duration::from_secs(20), "no cursor saved");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    set_rate(32 << 20);
+    restart();
+    let t = Instant::now();
+    while scrub_call(c, node, 0).unwrap().totals.passes <= passes {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "resumed pass never ended"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = std::fs::read_to_string(h.lc.dir.join(format!("{member}.log"))).unwrap();
+    println!("{member}: killed mid-pass with cursor after {saved:?}; restarted, resumed, done");
+    assert!(
+        log.contains(&format!("pass resumes from pool {pool} after {saved:?}")),
+        "{member} did not resume after {saved:?}"
+    );
+}
+
+/// Kill a node and start it again; wait until the map shows it up at its new port.
+fn restart(h: &Harness, node: u32) {
+    let c = &h.client;
+    let member = format!("node.{node}");
+    let old = c.map().nodes[&node].addr;
+    h.lc.stop_member(&member, true).unwrap();
+    h.lc.start_member(&member).unwrap();
+    let t = Instant::now();
+    while c.map().nodes[&node].addr == old || !c.map().nodes[&node].up {
+        if t.elapsed() > Duration::from_secs(30) {
+            let log = std::fs::read_to_string(h.lc.dir.join(format!("{member}.log")));
+            let log = log.unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(15).collect();
+            panic!(
+                "{member} did not come back: {:?}\n{}",
+                c.map().nodes[&node],
+                tail.join("\n")
+            );
+        }
+        let _ = c.refresh_map();
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Replace the first parity shard of `name` by zeros, at its version, with a valid crc (a
+/// raw `SHARD_REPAIR` as if from the primary). Returns the number of stripes it spans.
+fn zero_parity(h: &Harness, pool: u64, name: &str) -> u64 {
+    use messenger::{Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret};
+    use nvstore::node::local::{ShardMeta, ShardWrite, WriteKind, BASE_ANY};
+    struct Nothing;
+    impl Dispatcher for Nothing {
+        fn handle(&self, _m: Incoming) {}
+    }
+    let c = &h.client;
+    let map = c.map();
+    let p = &map.pools[&pool];
+    let a = Acting::compute(&map, p, pg_of(p, name.as_bytes()));
+    let st = c.stat(pool, name.as_bytes()).unwrap();
+    let (u, w) = (UNIT as u64, (K * UNIT) as u64);
+    let len = st.size / w * u + (st.size % w).min(u);
+    let zeros = vec![0u8; len as usize];
+    let write = ShardWrite {
+        pool,
+        pg: a.pg,
+        name: name.as_bytes(),
+        shard: K as u8,
+        kind: WriteKind::Full,
+        base_version: BASE_ANY,
+        meta: ShardMeta {
+            version: st.version,
+            size: st.size,
+            mtime_unix_ns: st.mtime_unix_ns,
+            deleted: false,
+        },
+        offset: 0,
+        xattrs: vec![],
+        data: &zeros,
+    };
+    let mut payload = write.encode_header(map.epoch);
+    payload.extend_from_slice(&zeros);
+    let secret = Secret::load(&h.lc.dir.join("cluster.key")).unwrap();
+    let primary = a.primary.unwrap();
+    let m = Messenger::new(
+        messenger::Config::default(),
+        Identity::Node(primary),
+        secret,
+        std::sync::Arc::new(Nothing),
+    )
+    .unwrap();
+    let target = a.members[K as usize].unwrap();
+    let conn = m
+        .connect(map.nodes[&target].addr, Identity::Node(target))
+        .unwrap();
+    let r = conn
+        .request(
+            OutMessage::new(wire::MSG_SHARD_REPAIR, payload),
+            Duration::from_secs(10),
+        )
+        .unwrap();
+    wire::parse_reply(&r.payload).unwrap();
+    m.shutdown();
+    len.div_ceil(u)
+}
