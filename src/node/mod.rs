@@ -6,7 +6,7 @@
 //! each PG's arrival order; `node-shard-N` threads apply shard ops against the local stores
 //! (they block on group commit, so there are several); `node-heartbeat` reports to the
 //! monitors; `node-scrub` runs the background scrub (`scrub.rs`); `node-recovery` plans
-//! recovery, `node-recovery-N` rebuild objects and `node-rshard-N` serve recovery messages at
+//! recovery, `node-rebuild-N` rebuild objects and `node-rshard-N` serve recovery messages at
 //! low priority (`recovery`).
 
 pub mod hot;
@@ -740,7 +740,7 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
     for i in 0..recovery::RECOVERY_THREADS {
         let n = node.clone();
         std::thread::Builder::new()
-            .name(format!("node-recovery-{i}"))
+            .name(format!("node-rebuild-{i}"))
             .spawn(move || n.recovery_worker())
             .map_err(|e| Error::io("spawn", e))?;
     }

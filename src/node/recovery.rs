@@ -17,7 +17,7 @@
 //!   were trimmed past V): every up member lists its shards of the PG (`MSG_SHARD_LIST`) and
 //!   the objects whose newest version X's slot does not hold are checked.
 //!
-//! **How (one object).** On a `node-recovery-N` worker, holding the PG's op lock (the same
+//! **How (one object).** On a `node-rebuild-N` worker, holding the PG's op lock (the same
 //! `PgCache` mutex client ops hold, so a client write to the object waits, and vice versa):
 //! `resolve` the object afresh; for every up slot not current, read k current shards
 //! (`MSG_RECOVERY_READ`), `Codec::reconstruct` the missing ones, and send whole-shard writes
@@ -52,7 +52,7 @@ use crate::placement::pg_of;
 use crate::queue::WaitQueue;
 use crate::wire::{self, Dec, Enc, Status};
 
-/// Worker threads rebuilding objects (`node-recovery-N`); the window never exceeds it.
+/// Worker threads rebuilding objects (`node-rebuild-N`); the window never exceeds it.
 pub const RECOVERY_THREADS: usize = 16;
 /// Threads serving recovery messages on a member (`node-rshard-N`).
 pub const RECOVERY_SHARD_THREADS: usize = 4;
@@ -969,7 +969,7 @@ fn plan_backfill(ctx: &Ctx, lists: &MemberLists, slots: &[usize]) -> Vec<(Vec<u8
 // ---- primary side: rebuilding ------------------------------------------------------------------
 
 impl Node {
-    /// `node-recovery-N`: rebuild queued objects, at most the window at a time.
+    /// `node-rebuild-N`: rebuild queued objects, at most the window at a time.
     pub(super) fn recovery_worker(self: Arc<Self>) {
         let r = &self.recovery;
         while let Some(item) = r.items.pop() {
