@@ -38,6 +38,9 @@ pub enum BenchCommand {
     Seq(crate::bench_cluster::ClusterBenchArgs),
     /// Cluster random read benchmark over the objects a `write` run left
     Rand(crate::bench_cluster::ClusterBenchArgs),
+    /// Recovery: start a local cluster, fill it, lose a node; rebuild rate vs the raw
+    /// bottleneck, client p99 during recovery vs without
+    Recovery(crate::bench_recovery::RecoveryBenchArgs),
     /// Hot object storm: many clients re-reading one 4 MiB object while a probe reads
     /// unrelated objects; with read coalescing on and off
     Hot(crate::bench_hot::HotBenchArgs),
@@ -56,6 +59,7 @@ pub fn run_bench(cmd: BenchCommand) -> Result<ExitCode, Box<dyn std::error::Erro
         BenchCommand::Write(a) => crate::bench_cluster::run(crate::bench_cluster::Mode::Write, a),
         BenchCommand::Seq(a) => crate::bench_cluster::run(crate::bench_cluster::Mode::Seq, a),
         BenchCommand::Rand(a) => crate::bench_cluster::run(crate::bench_cluster::Mode::Rand, a),
+        BenchCommand::Recovery(a) => crate::bench_recovery::run(a),
         BenchCommand::Hot(a) => crate::bench_hot::run(a),
     }
 }

@@ -94,6 +94,18 @@ pub enum NodeCommand {
         #[arg(long)]
         config: std::path::PathBuf,
     },
+    /// Mark a node out: its PGs remap and recovery rebuilds its shards on the new members
+    Out {
+        id: u32,
+        #[command(flatten)]
+        conf: crate::cluster_cmd::ConfArg,
+    },
+    /// Mark a node in again: its PGs map back to it and recovery catches it up
+    In {
+        id: u32,
+        #[command(flatten)]
+        conf: crate::cluster_cmd::ConfArg,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -126,6 +138,12 @@ pub fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             crate::node::run(crate::config::NodeConfig::load(&config)?)?;
             ExitCode::SUCCESS
         }
+        Command::Node {
+            cmd: NodeCommand::Out { id, conf },
+        } => crate::cluster_cmd::run_mark(&conf.conf, id, false)?,
+        Command::Node {
+            cmd: NodeCommand::In { id, conf },
+        } => crate::cluster_cmd::run_mark(&conf.conf, id, true)?,
         Command::Monitor {
             cmd: MonitorCommand::Run { config },
         } => {

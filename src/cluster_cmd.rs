@@ -667,7 +667,35 @@ pub fn render_status(s: &crate::monitor::StatusReport) -> String {
             );
         }
     }
+    o += &render_recovery(&s.recovery);
     o
+}
+
+/// The status report's recovery line (nothing when recovery never ran).
+fn render_recovery(r: &crate::node::recovery::RecoveryStats) -> String {
+    let done = format!(
+        "{} object(s), {} rebuilt (delta {}, backfill {})",
+        r.objects_done,
+        human(r.bytes_done as f64),
+        r.delta_objects,
+        r.backfill_objects
+    );
+    if r.active() {
+        let eta = r
+            .eta_s()
+            .map_or("unknown".to_string(), |s| format!("{s:.0} s"));
+        format!(
+            "    recovery: {} object(s), {} left, {} pg(s) pending, {}/s, ETA {eta}; done: {done}\n",
+            r.objects_left,
+            human(r.bytes_left as f64),
+            r.pgs_pending,
+            human(r.rate_bytes_s),
+        )
+    } else if r.objects_done > 0 || r.failures > 0 {
+        format!("    recovery: idle; done: {done}\n")
+    } else {
+        String::new()
+    }
 }
 
 pub fn run_status(conf: &Path, json: bool) -> CliResult {
@@ -683,6 +711,29 @@ pub fn run_status(conf: &Path, json: bool) -> CliResult {
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// `nvstore node out ID` / `node in ID`.
+pub fn run_mark(conf: &Path, id: u32, r#in: bool) -> CliResult {
+    let c = Client::from_config(conf)?;
+    if !c.map().nodes.contains_key(&id) {
+        return Err(format!("no node {id} in the map (epoch {})", c.map().epoch).into());
+    }
+    let cmd = if r#in {
+        crate::monitor::raft::MonCommand::MarkIn(id)
+    } else {
+        crate::monitor::raft::MonCommand::MarkOut(vec![id])
+    };
+    let r = c.command(&cmd)?;
+    if !r.ok {
+        return Err(format!("monitor refused: {}", r.message).into());
+    }
+    println!(
+        "node {id} marked {} at epoch {}",
+        if r#in { "in" } else { "out" },
+        r.epoch
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 #[derive(Debug, Args)]

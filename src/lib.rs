@@ -15,6 +15,7 @@ pub use client::Client;
 pub use error::{Error, Result};
 pub mod bench_cluster;
 pub mod bench_hot;
+pub mod bench_recovery;
 pub mod client;
 pub mod cluster_cmd;
 pub mod config;

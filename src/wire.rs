@@ -26,6 +26,17 @@ pub const MSG_SHARD_WRITE: u16 = 30;
 pub const MSG_SHARD_READ: u16 = 31;
 pub const MSG_SHARD_STAT: u16 = 32;
 pub const MSG_SHARD_ROLLBACK: u16 = 33;
+// Recovery (src/node/recovery.rs): served on the members' low-priority queue.
+/// A member's shards of one PG: (name, shard, version, size, deleted), paged by name.
+pub const MSG_SHARD_LIST: u16 = 40;
+/// A member's PG log window and its recovery mark.
+pub const MSG_PG_LOG: u16 = 41;
+/// Record on a member that its slot of a PG is complete through a version.
+pub const MSG_PG_MARK: u16 = 42;
+/// `MSG_SHARD_READ` at recovery priority.
+pub const MSG_RECOVERY_READ: u16 = 43;
+/// A whole-shard write at recovery priority; a member already at or past its version skips it.
+pub const MSG_RECOVERY_WRITE: u16 = 44;
 // Admin range 50..=59 (client → node, JSON replies; docs/operations.md).
 pub const MSG_ADMIN_PERF_DUMP: u16 = 50;
 pub const MSG_ADMIN_PERF_RESET: u16 = 51;

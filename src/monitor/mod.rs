@@ -86,6 +86,8 @@ pub struct NodeStats {
     /// When the node took these figures (its clock), for rates from two reports.
     #[serde(default)]
     pub at_unix_ns: u64,
+    #[serde(default)]
+    pub recovery: crate::node::recovery::RecoveryStats,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
@@ -125,6 +127,9 @@ pub struct StatusReport {
     /// Each up node's last heartbeat figures.
     #[serde(default)]
     pub node_stats: BTreeMap<u32, NodeStats>,
+    /// Recovery summed over the up nodes.
+    #[serde(default)]
+    pub recovery: crate::node::recovery::RecoveryStats,
 }
 
 struct Seen {
@@ -446,6 +451,24 @@ impl Monitor {
                 _ => detail.push(format!("{n} pgs down: objects unavailable")),
             }
         }
+        let recovery = {
+            let seen = self.seen.lock().unwrap();
+            let mut r = crate::node::recovery::RecoveryStats::default();
+            for n in map.nodes.values().filter(|n| n.up) {
+                if let Some(s) = seen.get(&n.id) {
+                    r.add(&s.stats.recovery);
+                }
+            }
+            r
+        };
+        if recovery.active() {
+            detail.push(format!(
+                "recovering: {} object(s) ({:.1} MiB) left, {} pg(s) pending",
+                recovery.objects_left,
+                recovery.bytes_left as f64 / (1u64 << 20) as f64,
+                recovery.pgs_pending
+            ));
+        }
         detail.extend(self.slow_op_details(&map));
         let health = if pg_states.contains_key("down") {
             "HEALTH_ERR"
@@ -520,6 +543,7 @@ impl Monitor {
                 HOT_OBJECTS_MAX,
             ),
             node_stats,
+            recovery,
         }
     }
 }

@@ -299,6 +299,8 @@ pub struct Local {
     pub stores: Vec<Store<FileDevice>>,
     meta_cache: Mutex<HashMap<ObjectKey, Option<ShardMeta>>>,
     pg_logs: Mutex<HashMap<(u64, u32), VecDeque<ObjectKey>>>,
+    /// The newest version trimmed from each PG's log since the node started.
+    log_trimmed: Mutex<HashMap<(u64, u32), u64>>,
 }
 
 fn log_name(pg: u32, version: u64, name: &[u8]) -> Vec<u8> {
@@ -308,6 +310,11 @@ fn log_name(pg: u32, version: u64, name: &[u8]) -> Vec<u8> {
     n.extend_from_slice(&version.to_be_bytes());
     n.extend_from_slice(name);
     n
+}
+
+/// The version of a PG log entry's key.
+fn log_version(k: &ObjectKey) -> Option<u64> {
+    (k.name.len() >= 16).then(|| u64::from_be_bytes(k.name[8..16].try_into().expect("8 bytes")))
 }
 
 fn user_xattrs(all: BTreeMap<String, Vec<u8>>) -> BTreeMap<String, Vec<u8>> {
@@ -322,6 +329,7 @@ impl Local {
             stores,
             meta_cache: Mutex::new(HashMap::new()),
             pg_logs: Mutex::new(HashMap::new()),
+            log_trimmed: Mutex::new(HashMap::new()),
         }
     }
 
@@ -531,6 +539,11 @@ impl Local {
             trimmed.push(log.pop_front().expect("non-empty"));
         }
         drop(logs);
+        if let Some(v) = trimmed.iter().filter_map(log_version).max() {
+            let mut t = self.log_trimmed.lock().unwrap();
+            let e = t.entry((w.pool, w.pg)).or_default();
+            *e = (*e).max(v);
+        }
         for k in &trimmed {
             if st.exists(k) {
                 t.remove(k.clone());
@@ -678,6 +691,33 @@ impl Local {
         names.dedup();
         names.truncate(max);
         Ok(names)
+    }
+
+    /// The PG's log window on this member, oldest first: (version, object name), and the
+    /// newest version trimmed from it (0: none; every entry after it is in the window). For a
+    /// window found full at start, its oldest version stands for that.
+    pub fn log_window(&self, pool: u64, pg: u32) -> (Vec<(u64, Vec<u8>)>, u64) {
+        let st = self.store(pool, pg);
+        let mut logs = self.pg_logs.lock().unwrap();
+        let log = logs
+            .entry((pool, pg))
+            .or_insert_with(|| self.load_log(st, pool, pg));
+        let mut out: Vec<(u64, Vec<u8>)> = log
+            .iter()
+            .filter_map(|k| Some((log_version(k)?, k.name[16..].to_vec())))
+            .collect();
+        let full = log.len() >= PG_LOG_ENTRIES_MAX;
+        drop(logs);
+        out.sort();
+        let trimmed = self
+            .log_trimmed
+            .lock()
+            .unwrap()
+            .get(&(pool, pg))
+            .copied()
+            .or_else(|| full.then(|| out.first().map_or(0, |e| e.0)))
+            .unwrap_or(0);
+        (out, trimmed)
     }
 
     pub fn shard_count(&self) -> u64 {

@@ -5,13 +5,16 @@
 //! and in arrival order); `node-op-N` threads run client ops, one PG at a time per thread, in
 //! each PG's arrival order; `node-shard-N` threads apply shard ops against the local stores
 //! (they block on group commit, so there are several); `node-heartbeat` reports to the
-//! monitors; `node-scrub` runs the background scrub (`scrub.rs`).
+//! monitors; `node-scrub` runs the background scrub (`scrub.rs`); `node-recovery` plans
+//! recovery, `node-rebuild-N` rebuild objects and `node-rshard-N` serve recovery messages at
+//! low priority (`recovery`).
 
 pub mod hot;
 pub mod identity;
 pub mod local;
 pub mod perf;
 pub mod primary;
+pub mod recovery;
 pub mod repair;
 pub mod scrub;
 
@@ -89,6 +92,9 @@ pub struct Node {
     pub scrub: scrub::Scrub,
     /// Read coalescing, the hot-object cache and detector.
     pub hot: hot::Hot,
+    /// Recovery messages, served after client shard ops.
+    recovery_q: Arc<WaitQueue<Incoming>>,
+    pub recovery: recovery::Recovery,
 }
 
 struct NodeDispatcher {
@@ -105,6 +111,11 @@ impl Dispatcher for NodeDispatcher {
                 | wire::MSG_SHARD_READ
                 | wire::MSG_SHARD_STAT
                 | wire::MSG_SHARD_ROLLBACK
+                | wire::MSG_SHARD_LIST
+                | wire::MSG_PG_LOG
+                | wire::MSG_PG_MARK
+                | wire::MSG_RECOVERY_READ
+                | wire::MSG_RECOVERY_WRITE
                 | wire::MSG_SHARD_REPAIR
         )
     }
@@ -132,6 +143,11 @@ impl Dispatcher for NodeDispatcher {
             | wire::MSG_SHARD_STAT
             | wire::MSG_SHARD_ROLLBACK
             | wire::MSG_SHARD_REPAIR => node.enqueue_shard_op(msg),
+            wire::MSG_SHARD_LIST
+            | wire::MSG_PG_LOG
+            | wire::MSG_PG_MARK
+            | wire::MSG_RECOVERY_READ
+            | wire::MSG_RECOVERY_WRITE => node.enqueue_recovery(msg),
             t => {
                 let r = match t {
                     wire::MSG_CLIENT_STAGE => node.stage(&msg),
@@ -286,6 +302,9 @@ impl Node {
         };
         self.reply_parts(msg, r);
         self.perf.ops.finish(op, &status);
+        if msg.msg_type() == wire::MSG_CLIENT_OP {
+            self.recovery.client_latency(op.age());
+        }
     }
 
     /// Track a shard op and queue it for the shard threads (on the messenger worker).
@@ -308,6 +327,7 @@ impl Node {
         };
         let op = self.perf.ops.begin(desc, msg.throttled());
         op.event(Ev::Queued, NO_SHARD);
+        self.recovery.client_shard_queued.fetch_add(1, Relaxed);
         self.shard_q.push((msg, op));
     }
 
@@ -319,6 +339,7 @@ impl Node {
                 self.shard_op(&msg)
             };
             self.finish_op(&mut msg, &op, r);
+            self.recovery.client_shard_queued.fetch_sub(1, Relaxed);
         }
     }
 
@@ -511,6 +532,7 @@ impl Node {
             at_unix_ns: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64),
+            recovery: self.recovery.stats(),
         }
     }
 
@@ -666,6 +688,8 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
         perf: perf::Perf::new(Duration::from_millis(cfg.slow_op_ms)),
         scrub: scrub::Scrub::load(&cfg.data_dir),
         hot: hot::Hot::new(cfg.read_coalescing, cfg.hot_cache_bytes),
+        recovery_q: Arc::new(WaitQueue::new()),
+        recovery: recovery::Recovery::default(),
     });
     let _ = node.msgr.set(msgr.clone());
     let _ = disp.node.set(node.clone());
@@ -683,6 +707,13 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
         std::thread::Builder::new()
             .name(format!("node-shard-{i}"))
             .spawn(move || n.shard_thread())
+            .map_err(|e| Error::io("spawn", e))?;
+    }
+    for i in 0..recovery::RECOVERY_SHARD_THREADS {
+        let n = node.clone();
+        std::thread::Builder::new()
+            .name(format!("node-rshard-{i}"))
+            .spawn(move || n.recovery_shard_thread())
             .map_err(|e| Error::io("spawn", e))?;
     }
     let r = monc.command(&MonCommand::Boot(NodeInfo {
@@ -705,6 +736,18 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
     std::thread::Builder::new()
         .name("node-heartbeat".into())
         .spawn(move || n.heartbeat_loop())
+        .map_err(|e| Error::io("spawn", e))?;
+    for i in 0..recovery::RECOVERY_THREADS {
+        let n = node.clone();
+        std::thread::Builder::new()
+            .name(format!("node-rebuild-{i}"))
+            .spawn(move || n.recovery_worker())
+            .map_err(|e| Error::io("spawn", e))?;
+    }
+    let n = node.clone();
+    std::thread::Builder::new()
+        .name("node-recovery".into())
+        .spawn(move || n.recovery_loop())
         .map_err(|e| Error::io("spawn", e))?;
     let n = node.clone();
     std::thread::Builder::new()

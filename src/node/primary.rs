@@ -65,9 +65,9 @@ impl ObjState {
 #[derive(Default)]
 pub struct PgCache {
     /// `MonClient::node_change_epoch` when the cache was filled.
-    node_change_epoch: u64,
-    members: Vec<Option<u32>>,
-    objs: HashMap<Vec<u8>, ObjState>,
+    pub(super) node_change_epoch: u64,
+    pub(super) members: Vec<Option<u32>>,
+    pub(super) objs: HashMap<Vec<u8>, ObjState>,
     seq: u32,
 }
 
@@ -368,7 +368,7 @@ impl Node {
         }
     }
 
-    fn local_shard_op(&self, msg_type: u16, body: &[u8]) -> Result<Vec<u8>> {
+    pub(super) fn local_shard_op(&self, msg_type: u16, body: &[u8]) -> Result<Vec<u8>> {
         let mut d = Dec::new(body);
         let _epoch = d.u64()?;
         let mut e = Enc::new(self.epoch());
@@ -599,6 +599,19 @@ impl Node {
                         status: Status::VersionMismatch,
                         message,
                     })
+                }
+                // A member with a newer map says this node no longer leads the PG (a node
+                // went out or in): the client must retry at the new primary, not read around.
+                Err(Error::FetchFailed(_, e))
+                    if matches!(
+                        *e,
+                        Error::Remote {
+                            status: Status::StaleEpoch,
+                            ..
+                        }
+                    ) =>
+                {
+                    return Err(*e)
                 }
                 Err(Error::FetchFailed(slot, _)) if excluded & bit(slot) == 0 => {
                     excluded |= bit(slot)
@@ -1193,7 +1206,7 @@ impl Fetched {
     }
 }
 
-fn remember(c: &mut PgCache, name: &[u8], st: &ObjState) {
+pub(super) fn remember(c: &mut PgCache, name: &[u8], st: &ObjState) {
     if c.objs.len() >= CACHE_OBJECTS_MAX {
         c.objs.clear();
     }
