@@ -120,7 +120,8 @@ impl LocalCluster {
                     data_dir: d.clone(),
                     down_grace_ms: o.down_grace_ms,
                     out_grace_ms: o.out_grace_ms,
-                    metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], free_port()?))),
+                    // Port 0: the member records the port it got (no race for free ports).
+                    metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
                 },
             )?;
         }
@@ -145,7 +146,8 @@ impl LocalCluster {
                     write_wait_ms: o.write_wait_ms,
                     busy_poll_us: 20,
                     slow_op_ms: o.slow_op_ms,
-                    metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], free_port()?))),
+                    // Port 0: the member records the port it got (no race for free ports).
+                    metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
                     scrub_bytes_per_sec: 32 << 20,
                     scrub_interval_s: 7 * 24 * 3600,
                     read_coalescing: o.read_coalescing,
@@ -163,14 +165,30 @@ impl LocalCluster {
         )
     }
 
-    /// Where a member ("mon.N" or "node.N") serves Prometheus metrics (from its config).
+    /// Where a running member ("mon.N" or "node.N") serves Prometheus metrics: the address it
+    /// recorded in its data dir, else its configured one (None: metrics are off).
     pub fn metrics_addr(&self, member: &str) -> Result<Option<SocketAddr>> {
         let d = self.dir.join(member);
-        Ok(if member.starts_with("mon.") {
-            MonitorConfig::load(&d.join("monitor.toml"))?.metrics_listen
+        let (listen, data_dir) = if member.starts_with("mon.") {
+            let c = MonitorConfig::load(&d.join("monitor.toml"))?;
+            (c.metrics_listen, c.data_dir)
         } else {
-            NodeConfig::load(&d.join("node.toml"))?.metrics_listen
-        })
+            let c = NodeConfig::load(&d.join("node.toml"))?;
+            (c.metrics_listen, c.data_dir)
+        };
+        let Some(listen) = listen else {
+            return Ok(None);
+        };
+        match std::fs::read_to_string(data_dir.join(crate::prom::ADDR_FILE)) {
+            Ok(s) => s.trim().parse().map(Some).map_err(|e| {
+                Error::Config(format!("{member}: bad {}: {e}", crate::prom::ADDR_FILE))
+            }),
+            Err(_) if listen.port() != 0 => Ok(Some(listen)),
+            Err(e) => Err(Error::io(
+                format!("{member}: metrics address not recorded yet"),
+                e,
+            )),
+        }
     }
 
     fn members(&self) -> Result<Vec<String>> {

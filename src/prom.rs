@@ -213,6 +213,18 @@ pub type Render = Arc<dyn Fn() -> String + Send + Sync>;
 
 /// Serve `GET /metrics` on `addr` from a thread named `thread` (port 0: any free port).
 /// Returns the bound address.
+/// The file in a member's data dir that names the address its metrics are served at (the
+/// config may say port 0: the port is then the one the listener got).
+pub const ADDR_FILE: &str = "metrics.addr";
+
+/// Record where metrics are served, for tools that find members by their data dir.
+pub fn record_addr(data_dir: &std::path::Path, bound: SocketAddr) -> Result<()> {
+    let tmp = data_dir.join(format!("{ADDR_FILE}.tmp"));
+    std::fs::write(&tmp, bound.to_string())
+        .and_then(|_| std::fs::rename(&tmp, data_dir.join(ADDR_FILE)))
+        .map_err(|e| Error::io(format!("{}", data_dir.join(ADDR_FILE).display()), e))
+}
+
 pub fn serve(addr: SocketAddr, thread: &str, render: Render) -> Result<SocketAddr> {
     let l = TcpListener::bind(addr).map_err(|e| Error::io(format!("metrics listen {addr}"), e))?;
     let bound = l

@@ -83,6 +83,7 @@ impl Monitor {
             crate::prom::render(&m.samples(&msgr).0, &[("monitor", m.cfg.id.to_string())])
         });
         let bound = crate::prom::serve(addr, "mon-metrics", render)?;
+        crate::prom::record_addr(&self.cfg.data_dir, bound)?;
         tracing::info!("monitor {}: metrics at http://{bound}/metrics", self.cfg.id);
         Ok(())
     }

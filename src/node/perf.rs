@@ -294,6 +294,7 @@ impl Node {
         };
         let n = self.clone();
         let bound = crate::prom::serve(addr, "node-metrics", Arc::new(move || n.metrics_text()))?;
+        crate::prom::record_addr(&self.cfg.data_dir, bound)?;
         tracing::info!("node {}: metrics at http://{bound}/metrics", self.id);
         Ok(())
     }
