@@ -2,62 +2,31 @@
 //! loopback with file devices. Tests take a lock so only one cluster runs at a time on a
 //! 2-core CI machine.
 
-use std::path::Path;
+mod common;
+
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::{bytes, Harness};
 use messenger::{Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret};
-use nvstore::cluster_cmd::{LocalCluster, LocalOptions};
+use nvstore::cluster_cmd::LocalOptions;
 use nvstore::ops::{ClientOp, OpResult, SubOp};
 use nvstore::wire::{self, Status};
 use nvstore::{Client, Error};
-use rand::{Rng, RngCore, SeedableRng};
+use rand::{Rng, SeedableRng};
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-struct Harness {
-    lc: LocalCluster,
-    client: Client,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Harness {
-    fn drop(&mut self) {
-        let _ = self.lc.down();
-    }
-}
-
 fn cluster(nodes: u32, monitors: u32, o: LocalOptions) -> Harness {
-    let dir = tempfile::Builder::new()
-        .prefix("nvstore-test-")
-        .tempdir()
-        .unwrap();
-    let lc = LocalCluster::new(dir.path(), Path::new(env!("CARGO_BIN_EXE_nvstore")));
-    lc.create(&LocalOptions {
-        nodes,
-        monitors,
-        device_bytes: 1 << 30,
-        ..o
-    })
-    .unwrap();
-    let client = match lc.up() {
-        Ok(c) => c,
-        Err(e) => {
-            let _ = lc.down();
-            panic!("cluster up: {e}");
-        }
-    };
-    Harness {
-        lc,
-        client,
-        _dir: dir,
-    }
-}
-
-fn bytes(seed: u64, len: usize) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    rand_chacha::ChaCha8Rng::seed_from_u64(seed).fill_bytes(&mut v);
-    v
+    common::cluster(
+        "nvstore-test-",
+        &LocalOptions {
+            nodes,
+            monitors,
+            device_bytes: 1 << 30,
+            ..o
+        },
+    )
 }
 
 fn status_of(e: &Error) -> Option<Status> {

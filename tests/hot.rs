@@ -3,16 +3,18 @@
 //! coalesced or cached; a writer among readers never lets a read go back in time or mix
 //! versions; `nvstore status` names the hot object.
 
-use std::path::Path;
+mod common;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use nvstore::cluster_cmd::{render_status, LocalCluster, LocalOptions};
+use common::{bytes, Harness};
+use nvstore::cluster_cmd::{render_status, LocalOptions};
 use nvstore::monitor::{NodeStats, StatusReport};
 use nvstore::placement::{pg_of, Acting};
 use nvstore::Client;
-use rand::{Rng, RngCore, SeedableRng};
+use rand::{Rng, SeedableRng};
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -20,47 +22,14 @@ static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 const READERS: usize = 24;
 const READS_EACH: usize = 25;
 
-struct Harness {
-    lc: LocalCluster,
-    client: Client,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Harness {
-    fn drop(&mut self) {
-        let _ = self.lc.down();
-    }
-}
-
 fn cluster(o: LocalOptions) -> Harness {
-    let dir = tempfile::Builder::new()
-        .prefix("nvstore-hot-test-")
-        .tempdir()
-        .unwrap();
-    let lc = LocalCluster::new(dir.path(), Path::new(env!("CARGO_BIN_EXE_nvstore")));
-    lc.create(&LocalOptions {
-        device_bytes: 512 << 20,
-        ..o
-    })
-    .unwrap();
-    let client = match lc.up() {
-        Ok(c) => c,
-        Err(e) => {
-            let _ = lc.down();
-            panic!("cluster up: {e}");
-        }
-    };
-    Harness {
-        lc,
-        client,
-        _dir: dir,
-    }
-}
-
-fn bytes(seed: u64, len: usize) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    rand_chacha::ChaCha8Rng::seed_from_u64(seed).fill_bytes(&mut v);
-    v
+    common::cluster(
+        "nvstore-hot-test-",
+        &LocalOptions {
+            device_bytes: 512 << 20,
+            ..o
+        },
+    )
 }
 
 fn primary_of(c: &Client, pool: u64, name: &[u8]) -> u32 {

@@ -3,15 +3,17 @@
 //! health warning, Prometheus scrapes of a node and a monitor parsed strictly, thread names,
 //! and clear errors for bad input.
 
+mod common;
+
 use std::collections::{BTreeMap, HashSet};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::Harness;
 use messenger::{Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret};
-use nvstore::cluster_cmd::{LocalCluster, LocalOptions};
+use nvstore::cluster_cmd::LocalOptions;
 use nvstore::wire::{self, Status};
 use nvstore::{Client, Error};
 use serde_json::Value;
@@ -22,37 +24,8 @@ const NODES: u32 = 4;
 const OBJECTS: usize = 12;
 const OBJECT_BYTES: usize = 48 << 10;
 
-struct Harness {
-    lc: LocalCluster,
-    client: Client,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Harness {
-    fn drop(&mut self) {
-        let _ = self.lc.down();
-    }
-}
-
 fn cluster(o: LocalOptions) -> Harness {
-    let dir = tempfile::Builder::new()
-        .prefix("nvstore-observe-")
-        .tempdir()
-        .unwrap();
-    let lc = LocalCluster::new(dir.path(), Path::new(env!("CARGO_BIN_EXE_nvstore")));
-    lc.create(&o).unwrap();
-    let client = match lc.up() {
-        Ok(c) => c,
-        Err(e) => {
-            let _ = lc.down();
-            panic!("cluster up: {e}");
-        }
-    };
-    Harness {
-        lc,
-        client,
-        _dir: dir,
-    }
+    common::cluster("nvstore-observe-", &o)
 }
 
 fn u(v: &Value, path: &str) -> u64 {

@@ -3,64 +3,32 @@
 //! node; the map records the new host, no PG changes members (nothing must move) and every
 //! object reads back exactly. Devices labelled for another node or cluster are refused.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::{bytes, Harness};
 use nvstore::cluster_cmd::{LocalCluster, LocalOptions};
 use nvstore::config::{write_toml, NodeConfig};
 use nvstore::map::ClusterMap;
 use nvstore::placement::Acting;
-use nvstore::Client;
-use rand::{RngCore, SeedableRng};
 
 const NODES: u32 = 8;
 
-struct Harness {
-    lc: LocalCluster,
-    client: Client,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Harness {
-    fn drop(&mut self) {
-        let _ = self.lc.down();
-    }
-}
-
 fn cluster() -> Harness {
-    let dir = tempfile::Builder::new()
-        .prefix("nvstore-portable-")
-        .tempdir()
-        .unwrap();
-    let lc = LocalCluster::new(dir.path(), Path::new(env!("CARGO_BIN_EXE_nvstore")));
-    lc.create(&LocalOptions {
-        nodes: NODES,
-        monitors: 1,
-        device_bytes: 256 << 20,
-        down_grace_ms: 1500,
-        heartbeat_ms: 300,
-        ..LocalOptions::default()
-    })
-    .unwrap();
-    let client = match lc.up() {
-        Ok(c) => c,
-        Err(e) => {
-            let _ = lc.down();
-            panic!("cluster up: {e}");
-        }
-    };
-    Harness {
-        lc,
-        client,
-        _dir: dir,
-    }
-}
-
-fn bytes(seed: u64, len: usize) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    rand_chacha::ChaCha8Rng::seed_from_u64(seed).fill_bytes(&mut v);
-    v
+    common::cluster(
+        "nvstore-portable-",
+        &LocalOptions {
+            nodes: NODES,
+            monitors: 1,
+            device_bytes: 256 << 20,
+            down_grace_ms: 1500,
+            heartbeat_ms: 300,
+            ..LocalOptions::default()
+        },
+    )
 }
 
 /// Members of every PG of every pool.

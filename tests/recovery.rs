@@ -1,68 +1,36 @@
 //! Recovery integration tests: real monitor and node processes (the built `nvstore` binary)
 //! on loopback with small file devices. One cluster at a time (2-core CI).
 
-use std::path::Path;
+mod common;
+
 use std::process::Command;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use nvstore::cluster_cmd::{render_status, LocalCluster, LocalOptions};
+use common::{bytes, Harness};
+use nvstore::cluster_cmd::{render_status, LocalOptions};
 use nvstore::monitor::StatusReport;
 use nvstore::placement::{pg_of, Acting};
 use nvstore::Client;
-use rand::{RngCore, SeedableRng};
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 /// How long a test waits for recovery (or a map change) before failing.
 const WAIT: Duration = Duration::from_secs(60);
 
-struct Harness {
-    lc: LocalCluster,
-    client: Client,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Harness {
-    fn drop(&mut self) {
-        let _ = self.lc.down();
-    }
-}
-
 fn cluster(nodes: u32) -> Harness {
-    let dir = tempfile::Builder::new()
-        .prefix("nvstore-recovery-test-")
-        .tempdir()
-        .unwrap();
-    let lc = LocalCluster::new(dir.path(), Path::new(env!("CARGO_BIN_EXE_nvstore")));
-    lc.create(&LocalOptions {
-        nodes,
-        monitors: 1,
-        device_bytes: 256 << 20,
-        down_grace_ms: 1500,
-        heartbeat_ms: 200,
-        op_threads: 4,
-        ..LocalOptions::default()
-    })
-    .unwrap();
-    let client = match lc.up() {
-        Ok(c) => c,
-        Err(e) => {
-            let _ = lc.down();
-            panic!("cluster up: {e}");
-        }
-    };
-    Harness {
-        lc,
-        client,
-        _dir: dir,
-    }
-}
-
-fn bytes(seed: u64, len: usize) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    rand_chacha::ChaCha8Rng::seed_from_u64(seed).fill_bytes(&mut v);
-    v
+    common::cluster(
+        "nvstore-recovery-test-",
+        &LocalOptions {
+            nodes,
+            monitors: 1,
+            device_bytes: 256 << 20,
+            down_grace_ms: 1500,
+            heartbeat_ms: 200,
+            op_threads: 4,
+            ..LocalOptions::default()
+        },
+    )
 }
 
 /// Object sizes that cover empty, sub-stripe, multi-stripe and unaligned objects.

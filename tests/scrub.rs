@@ -2,18 +2,20 @@
 //! device images (while the nodes run) are never returned to a reader, and a scrub pass finds
 //! and repairs every one.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::os::unix::fs::FileExt;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
-use nvstore::cluster_cmd::{LocalCluster, LocalOptions};
+use common::{bytes, Harness};
+use nvstore::cluster_cmd::LocalOptions;
 use nvstore::config::{write_toml, NodeConfig};
 use nvstore::node::scrub::{locate_request, ScrubStats};
 use nvstore::placement::{pg_of, Acting};
 use nvstore::scrub_cmd::scrub_call;
 use nvstore::{wire, Client};
-use rand::{Rng, RngCore, SeedableRng};
+use rand::{Rng, SeedableRng};
 
 const NODES: u32 = 8;
 const OBJECTS: usize = 24;
@@ -21,51 +23,18 @@ const K: u32 = 6;
 const M: u32 = 2;
 const UNIT: u32 = 4096;
 
-struct Harness {
-    lc: LocalCluster,
-    client: Client,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Harness {
-    fn drop(&mut self) {
-        let _ = self.lc.down();
-    }
-}
-
 fn cluster() -> Harness {
-    let dir = tempfile::Builder::new()
-        .prefix("nvstore-scrub-")
-        .tempdir()
-        .unwrap();
-    let lc = LocalCluster::new(dir.path(), Path::new(env!("CARGO_BIN_EXE_nvstore")));
-    lc.create(&LocalOptions {
-        nodes: NODES,
-        monitors: 1,
-        device_bytes: 256 << 20,
-        down_grace_ms: 1500,
-        heartbeat_ms: 300,
-        ..LocalOptions::default()
-    })
-    .unwrap();
-    let client = match lc.up() {
-        Ok(c) => c,
-        Err(e) => {
-            let _ = lc.down();
-            panic!("cluster up: {e}");
-        }
-    };
-    Harness {
-        lc,
-        client,
-        _dir: dir,
-    }
-}
-
-fn bytes(seed: u64, len: usize) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    rand_chacha::ChaCha8Rng::seed_from_u64(seed).fill_bytes(&mut v);
-    v
+    common::cluster(
+        "nvstore-scrub-",
+        &LocalOptions {
+            nodes: NODES,
+            monitors: 1,
+            device_bytes: 256 << 20,
+            down_grace_ms: 1500,
+            heartbeat_ms: 300,
+            ..LocalOptions::default()
+        },
+    )
 }
 
 /// Flip one random bit inside the data of `name`'s shard `slot` on the node holding it.

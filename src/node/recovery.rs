@@ -44,7 +44,7 @@ use serde::{Deserialize, Serialize};
 use store::{ObjectKey, StoreError, Transaction};
 use tracing::{debug, info};
 
-use super::local::{ShardMeta, ShardWrite, WriteKind, BASE_ANY, SHARD_ROLLBACK_BIT};
+use super::local::{ShardWrite, WriteKind, BASE_ANY, SHARD_ROLLBACK_BIT};
 use super::primary::{remember, Ctx, PgCache};
 use super::Node;
 use crate::error::{Error, Result};
@@ -1094,58 +1094,16 @@ impl Node {
         // client write reaches the target too, and whichever lands second, the newer version
         // stays (a recovery write never replaces a newer shard); a partial one skips the
         // target (not current), which stays stale and is not marked current below.
-        let shards = self.rebuilt_shards(&ctx, name, &st, up_mask & !st.current)?;
-        let meta = ShardMeta {
-            version: st.version,
-            size: st.size,
-            mtime_unix_ns: st.mtime_unix_ns,
-            deleted: st.deleted,
-        };
-        let xattrs: Vec<(String, Option<Vec<u8>>)> = st
-            .xattrs
-            .iter()
-            .map(|(k, v)| (k.clone(), Some(v.clone())))
+        let shards: HashMap<usize, Arc<Vec<u8>>> = self
+            .rebuilt_shards(&ctx, name, &st, up_mask & !st.current)?
+            .into_iter()
+            .map(|(s, v)| (s, Arc::new(v)))
             .collect();
-        let write = |s: usize| ShardWrite {
-            pool,
-            pg,
-            name,
-            shard: s as u8,
-            kind: WriteKind::Full,
-            base_version: BASE_ANY,
-            meta,
-            offset: 0,
-            xattrs: xattrs.clone(),
-            data: &shards[&s],
-        };
-        let reqs = shards
-            .keys()
-            .map(|&s| {
-                let head = write(s).encode_header(ctx.map.epoch);
-                (
-                    s,
-                    vec![
-                        SendBuf::Vec(head),
-                        SendBuf::Shared(Arc::new(shards[&s].clone())),
-                    ],
-                )
-            })
-            .collect();
-        let local = |s: usize, _parts: Vec<SendBuf>| -> Result<Payload> {
-            self.apply_recovery(&write(s))?;
-            Ok(Payload::from_vec(Vec::new()))
-        };
-        let (mut bytes, mut acked) = (0, 0u64);
-        let mut err = None;
-        for (slot, r) in self.fan_out(&ctx, wire::MSG_RECOVERY_WRITE, reqs, &local) {
-            match r {
-                Ok(_) => {
-                    acked |= bit(slot);
-                    bytes += shards[&slot].len() as u64;
-                }
-                Err(e) => err = Some(Error::FetchFailed(slot, Box::new(e))),
-            }
-        }
+        let sent =
+            self.send_whole_shards(&ctx, name, &st, &shards, wire::MSG_RECOVERY_WRITE, &|w| {
+                self.apply_recovery(w)
+            });
+        let (bytes, acked, err) = (sent.bytes, sent.acked, sent.first_err);
         // The slots are current only if the object is still at the version rebuilt; if a
         // client wrote it meanwhile, look again (the caller retries).
         let mut c = self.lock_pg(&ctx, &lock);

@@ -34,6 +34,16 @@ pub struct PendingRepair {
 /// Most read repairs waiting at once (more are dropped; the scrub finds them).
 const PENDING_REPAIRS_MAX: usize = 1024;
 
+/// What [`Node::send_whole_shards`] achieved.
+#[derive(Default)]
+pub(crate) struct Sent {
+    /// Slots whose member made its shard durable.
+    pub acked: u64,
+    /// Shard bytes they wrote.
+    pub bytes: u64,
+    pub first_err: Option<Error>,
+}
+
 impl Node {
     /// The op's view of a PG for background work (scrub, repair); `None` when this node is
     /// not its primary under `map`.
@@ -109,6 +119,27 @@ impl Node {
         st: &ObjState,
         shards: Vec<(usize, Vec<u8>)>,
     ) -> Result<u64> {
+        let data = shards.into_iter().map(|(s, v)| (s, Arc::new(v))).collect();
+        let sent = self.send_whole_shards(ctx, name, st, &data, wire::MSG_SHARD_REPAIR, &|w| {
+            self.local.repair(w)
+        });
+        match sent.first_err {
+            Some(e) => Err(e),
+            None => Ok(sent.bytes),
+        }
+    }
+
+    /// Write whole shards of an object at its current version (meta and every user xattr) to
+    /// the members of their slots: `msg_type` to remote members, `local` for this node's own.
+    pub(crate) fn send_whole_shards(
+        &self,
+        ctx: &Ctx,
+        name: &[u8],
+        st: &ObjState,
+        data: &HashMap<usize, Arc<Vec<u8>>>,
+        msg_type: u16,
+        local: &dyn Fn(&ShardWrite) -> Result<()>,
+    ) -> Sent {
         let meta = ShardMeta {
             version: st.version,
             size: st.size,
@@ -120,8 +151,6 @@ impl Node {
             .iter()
             .map(|(k, v)| (k.clone(), Some(v.clone())))
             .collect();
-        let data: HashMap<usize, Arc<Vec<u8>>> =
-            shards.into_iter().map(|(s, v)| (s, Arc::new(v))).collect();
         let write = |s: usize| ShardWrite {
             pool: ctx.pool.id,
             pg: ctx.pg,
@@ -144,24 +173,24 @@ impl Node {
                 )
             })
             .collect();
-        let local = |s: usize, _parts: Vec<SendBuf>| -> Result<Payload> {
-            self.local.repair(&write(s))?;
+        let on_me = |s: usize, _parts: Vec<SendBuf>| -> Result<Payload> {
+            local(&write(s))?;
             Ok(Payload::from_vec(Vec::new()))
         };
-        let mut bytes = 0;
-        let mut first_err = None;
-        for (slot, r) in self.fan_out(ctx, wire::MSG_SHARD_REPAIR, reqs, &local) {
+        let mut sent = Sent::default();
+        for (slot, r) in self.fan_out(ctx, msg_type, reqs, &on_me) {
             match r {
-                Ok(_) => bytes += data[&slot].len() as u64,
+                Ok(_) => {
+                    sent.acked |= 1 << slot;
+                    sent.bytes += data[&slot].len() as u64;
+                }
                 Err(e) => {
-                    first_err.get_or_insert(Error::FetchFailed(slot, Box::new(e)));
+                    sent.first_err
+                        .get_or_insert(Error::FetchFailed(slot, Box::new(e)));
                 }
             }
         }
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(bytes),
-        }
+        sent
     }
 
     /// A read met corrupt shards: queue them for repair after the op's reply.
