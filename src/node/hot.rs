@@ -623,6 +623,16 @@ impl Node {
                     self.run_read_batch(&msgs, cache)
                 };
                 let mut unsent: u64 = rs.iter().map(shared_bytes).sum();
+                // Only hot objects' replies are paced: a lone read of a cold object (a
+                // sequential reader's) must not queue behind other replies.
+                let paced = msgs.len() > 1
+                    || self
+                        .hot
+                        .topk
+                        .lock()
+                        .unwrap()
+                        .rate(pool, &name, Instant::now())
+                        >= HOT_OPS_S_MIN;
                 for (((job, op), r), c) in msgs.iter_mut().zip(&ops).zip(rs).zip(counts) {
                     self.hot.topk.lock().unwrap().record(
                         pool,
@@ -635,7 +645,7 @@ impl Node {
                     // replies queued by the hundred would make every message this node sends
                     // wait behind them.
                     let n = shared_bytes(&r);
-                    if n >= PACED_REPLY_BYTES_MIN {
+                    if paced && n >= PACED_REPLY_BYTES_MIN {
                         self.hot.inflight.wait_room(
                             n,
                             unsent,
