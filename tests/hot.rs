@@ -74,6 +74,33 @@ fn concurrent_readers_are_coalesced_writes_are_never_missed_and_status_names_the
     let data = bytes(1, (1 << 20) + 3);
     c.put(pool, b"hot", &data).unwrap();
     let primary = primary_of(c, pool, b"hot");
+
+    // Large reads of cold objects, one at a time, are never paced behind other replies (a
+    // regression: pacing every large reply serialized a node's replies and stalled
+    // sequential readers for seconds).
+    let total =
+        |s: &StatusReport, f: fn(&NodeStats) -> u64| -> u64 { s.node_stats.values().map(f).sum() };
+    let s0 = c.status().unwrap();
+    let cold = bytes(2, 300 << 10);
+    for i in 0..8 {
+        c.put(pool, format!("cold-{i}").as_bytes(), &cold).unwrap();
+    }
+    let ops0 = total(&c.status().unwrap(), |n| n.read_ops);
+    for i in 0..8 {
+        assert!(
+            c.get_range(pool, format!("cold-{i}").as_bytes(), 0, 300 << 10)
+                .unwrap()
+                == cold
+        );
+    }
+    let s1 = status_until(c, "the cold reads", |s| {
+        total(s, |n| n.read_ops) >= ops0 + 8
+    });
+    assert_eq!(
+        total(&s1, |n| n.paced_replies),
+        total(&s0, |n| n.paced_replies),
+        "a cold object's reply was paced"
+    );
     let before = node_stats(&c.status().unwrap(), primary);
 
     // Many independent clients read the object at once: whole, in pieces, and via `get`
@@ -137,6 +164,10 @@ fn concurrent_readers_are_coalesced_writes_are_never_missed_and_status_names_the
         fetches + absorbed,
         reads,
         "every data read is fetched or absorbed"
+    );
+    assert!(
+        after.paced_replies > before.paced_replies,
+        "the hot object's large replies are paced"
     );
 
     // Status names it while it is hot (within the detector's window).

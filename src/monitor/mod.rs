@@ -88,6 +88,9 @@ pub struct NodeStats {
     pub at_unix_ns: u64,
     #[serde(default)]
     pub recovery: crate::node::recovery::RecoveryStats,
+    /// Large replies of hot objects that waited behind other replies (`node/hot.rs`).
+    #[serde(default)]
+    pub paced_replies: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]

@@ -495,6 +495,8 @@ pub struct HotCounters {
     pub cache_hits: AtomicU64,
     /// Shard fetches (with decode when degraded) done for client reads.
     pub read_fetches: AtomicU64,
+    /// Large replies that waited their turn behind other replies (hot objects only).
+    pub paced_replies: AtomicU64,
 }
 
 /// The node's hot-object state.
@@ -646,6 +648,7 @@ impl Node {
                     // wait behind them.
                     let n = shared_bytes(&r);
                     if paced && n >= PACED_REPLY_BYTES_MIN {
+                        self.hot.counters.paced_replies.fetch_add(1, Relaxed);
                         self.hot.inflight.wait_room(
                             n,
                             unsent,

@@ -526,6 +526,7 @@ impl Node {
             coalesced_reads: self.hot.counters.coalesced_reads.load(Relaxed),
             cache_hits: self.hot.counters.cache_hits.load(Relaxed),
             read_fetches: self.hot.counters.read_fetches.load(Relaxed),
+            paced_replies: self.hot.counters.paced_replies.load(Relaxed),
             msgr_iterations: msgr.total(|w| w.iterations),
             msgr_empty_iterations: msgr.total(|w| w.empty_iterations),
             cpu_ns: hot::process_cpu_ns(),
