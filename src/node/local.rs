@@ -73,6 +73,33 @@ pub enum Restore {
     Range(u64, Vec<u8>),
 }
 
+/// A list of xattr changes: u32 count, then per entry name `str`, u8 present, value `bytes`
+/// when present (`None` removes).
+fn encode_xattr_changes(e: &mut Enc, xattrs: &[(String, Option<Vec<u8>>)]) {
+    e.u32(xattrs.len() as u32);
+    for (k, v) in xattrs {
+        e.str(k);
+        match v {
+            Some(v) => e.u8(1).bytes(v),
+            None => e.u8(0),
+        };
+    }
+}
+
+fn decode_xattr_changes(d: &mut Dec) -> Result<Vec<(String, Option<Vec<u8>>)>> {
+    let n = d.u32()? as usize;
+    let mut xattrs = Vec::with_capacity(n.min(256));
+    for _ in 0..n {
+        let k = d.str()?.to_string();
+        let v = match d.u8()? {
+            0 => None,
+            _ => Some(d.bytes()?.to_vec()),
+        };
+        xattrs.push((k, v));
+    }
+    Ok(xattrs)
+}
+
 /// How to undo the last write on a shard.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rollback {
@@ -110,14 +137,7 @@ impl Rollback {
         } else {
             e.u8(0).bytes(bytes);
         }
-        e.u32(self.xattrs.len() as u32);
-        for (k, v) in &self.xattrs {
-            e.str(k);
-            match v {
-                Some(v) => e.u8(1).bytes(v),
-                None => e.u8(0),
-            };
-        }
+        encode_xattr_changes(&mut e, &self.xattrs);
         e.0
     }
 
@@ -140,16 +160,7 @@ impl Rollback {
             2 => Restore::Full(bytes),
             _ => Restore::Range(off, bytes),
         };
-        let n = d.u32()? as usize;
-        let mut xattrs = Vec::with_capacity(n.min(256));
-        for _ in 0..n {
-            let k = d.str()?.to_string();
-            let v = match d.u8()? {
-                0 => None,
-                _ => Some(d.bytes()?.to_vec()),
-            };
-            xattrs.push((k, v));
-        }
+        let xattrs = decode_xattr_changes(&mut d)?;
         Ok(Rollback {
             version_from,
             prev,
@@ -197,14 +208,8 @@ impl<'a> ShardWrite<'a> {
             .u8(self.kind as u8)
             .u64(self.base_version);
         self.meta.encode(&mut e);
-        e.u64(self.offset).u32(self.xattrs.len() as u32);
-        for (k, v) in &self.xattrs {
-            e.str(k);
-            match v {
-                Some(v) => e.u8(1).bytes(v),
-                None => e.u8(0),
-            };
-        }
+        e.u64(self.offset);
+        encode_xattr_changes(&mut e, &self.xattrs);
         e.u32(self.data.len() as u32);
         e.0
     }
@@ -223,16 +228,7 @@ impl<'a> ShardWrite<'a> {
         let base_version = d.u64()?;
         let meta = ShardMeta::decode(d)?;
         let offset = d.u64()?;
-        let n = d.u32()? as usize;
-        let mut xattrs = Vec::with_capacity(n.min(256));
-        for _ in 0..n {
-            let k = d.str()?.to_string();
-            let v = match d.u8()? {
-                0 => None,
-                _ => Some(d.bytes()?.to_vec()),
-            };
-            xattrs.push((k, v));
-        }
+        let xattrs = decode_xattr_changes(d)?;
         let data = d.bytes()?;
         d.end()?;
         Ok(ShardWrite {
