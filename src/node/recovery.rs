@@ -459,18 +459,9 @@ impl Node {
         e.u16(Status::Ok as u16);
         match msg.msg_type() {
             wire::MSG_SHARD_LIST => {
-                let after = d.bytes()?;
-                let max = d.u32()?.clamp(1, LIST_PAGE_MAX);
+                let (after, max) = (d.bytes()?, d.u32()?);
                 d.end()?;
-                let (items, more) = self.list_pg(pool, pg, after, max as usize)?;
-                e.u8(more as u8).u32(items.len() as u32);
-                for l in &items {
-                    e.bytes(&l.name)
-                        .u8(l.shard)
-                        .u64(l.version)
-                        .u64(l.size)
-                        .u8(l.deleted as u8);
-                }
+                self.encode_pg_list(&mut e, pool, pg, after, max)?;
             }
             wire::MSG_PG_LOG => {
                 d.end()?;
@@ -514,6 +505,28 @@ impl Node {
             return Ok(());
         }
         self.local.apply(w)
+    }
+
+    /// A `SHARD_LIST` reply body: more u8, count u32, then per shard name, slot, version,
+    /// size, deleted (at most `max`, clamped to 1..=LIST_PAGE_MAX).
+    fn encode_pg_list(
+        &self,
+        e: &mut Enc,
+        pool: u64,
+        pg: u32,
+        after: &[u8],
+        max: u32,
+    ) -> Result<()> {
+        let (items, more) = self.list_pg(pool, pg, after, max.clamp(1, LIST_PAGE_MAX) as usize)?;
+        e.u8(more as u8).u32(items.len() as u32);
+        for l in &items {
+            e.bytes(&l.name)
+                .u8(l.shard)
+                .u64(l.version)
+                .u64(l.size)
+                .u8(l.deleted as u8);
+        }
+        Ok(())
     }
 
     /// This member's shards of a PG, in name order after `after` (empty: from the start).
@@ -740,16 +753,7 @@ impl Node {
             }
             wire::MSG_SHARD_LIST => {
                 let (pool, pg, after, max) = (d.u64()?, d.u32()?, d.bytes()?, d.u32()?);
-                let (items, more) =
-                    self.list_pg(pool, pg, after, max.clamp(1, LIST_PAGE_MAX) as usize)?;
-                e.u8(more as u8).u32(items.len() as u32);
-                for l in &items {
-                    e.bytes(&l.name)
-                        .u8(l.shard)
-                        .u64(l.version)
-                        .u64(l.size)
-                        .u8(l.deleted as u8);
-                }
+                self.encode_pg_list(&mut e, pool, pg, after, max)?;
             }
             t => return Err(Error::Malformed(format!("not a recovery message: {t}"))),
         }
