@@ -325,7 +325,12 @@ fn counters_slow_ops_metrics_and_thread_names() {
     assert!(delta("driver.writes") > 0 && delta("driver.write_bytes") > 0);
     assert!(delta("store.flushes") + delta("store.fua_rounds") > 0);
     assert!(delta("messenger.bytes_in") > (OBJECTS * OBJECT_BYTES) as u64);
-    assert!(delta("ops.finished") >= 4 * OBJECTS as u64);
+    // Each object: the client op and the k+m-1 = 2 remote shard writes (the primary's own
+    // shard is written in place; a new object in a complete PG needs no stat round).
+    assert!(delta("ops.finished") >= 3 * OBJECTS as u64);
+    assert!(
+        delta("client.resolves_absent_local") + delta("client.resolves_asked") >= OBJECTS as u64
+    );
     for d in &after {
         // Group-commit batch sizes: every round lands in one bucket (a round may finish
         // between reading the round count and the buckets).

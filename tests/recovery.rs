@@ -242,3 +242,63 @@ fn a_node_back_within_the_log_window_is_caught_up_by_delta() {
     }
     read_all(c, pool, &objects);
 }
+
+/// The delta window is the PG log (512 entries per PG), counted back from a member's mark. A
+/// primary advances the marks of members that acknowledged everything (`refresh_marks`), so
+/// after many more writes than the log holds, a node that goes down briefly is still caught up
+/// by delta, not by a full scan of its PGs.
+#[test]
+fn a_node_down_after_a_long_busy_spell_is_still_caught_up_by_delta() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(4);
+    let c = &h.client;
+    // One PG: every write lands in the same log.
+    let pool = c.create_pool("busy", 2, 2, 4096, 1, None).unwrap();
+    wait_recovered(c, |_| true);
+    let busy = nvstore::node::local::PG_LOG_ENTRIES_MAX + 88;
+    for i in 0..busy {
+        c.put(pool, format!("busy-{i}").as_bytes(), &[i as u8])
+            .unwrap();
+    }
+    wait_until("the members' marks to cover every write", || {
+        (1..=4).all(|n| c.perf_dump(n).unwrap()["recovery"]["marks_behind"].as_u64() == Some(0))
+    });
+    let refreshed: u64 = (1..=4)
+        .map(|n| {
+            c.perf_dump(n).unwrap()["recovery"]["marks_refreshed"]
+                .as_u64()
+                .unwrap()
+        })
+        .sum();
+    assert!(refreshed > 0, "marks were advanced between passes");
+
+    let victim = 3;
+    h.lc.stop_member(&format!("node.{victim}"), true).unwrap();
+    wait_up(c, victim, false);
+    let missed = 10;
+    let mut objects = Vec::new();
+    for i in 0..missed {
+        let (n, d) = (
+            format!("meanwhile-{i}"),
+            bytes(900 + i as u64, size_of(i + 2)),
+        );
+        c.put(pool, n.as_bytes(), &d).unwrap();
+        objects.push((n, d));
+    }
+    h.lc.start_member(&format!("node.{victim}")).unwrap();
+    wait_up(c, victim, true);
+    let s = wait_recovered(c, |s| s.recovery.delta_objects >= missed as u64);
+    assert_eq!(s.recovery.delta_objects, missed as u64, "{:?}", s.recovery);
+    assert_eq!(s.recovery.backfill_objects, 0, "{:?}", s.recovery);
+    for id in [1, 2].into_iter().filter(|id| *id != victim) {
+        h.lc.stop_member(&format!("node.{id}"), true).unwrap();
+        wait_up(c, id, false);
+    }
+    read_all(c, pool, &objects);
+    for i in (0..busy).step_by(97) {
+        assert_eq!(
+            c.get(pool, format!("busy-{i}").as_bytes()).unwrap(),
+            vec![i as u8]
+        );
+    }
+}

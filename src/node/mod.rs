@@ -58,6 +58,10 @@ pub struct Counters {
     pub write_ops: AtomicU64,
     pub read_bytes: AtomicU64,
     pub write_bytes: AtomicU64,
+    /// Object states resolved by a stat round to the PG's members.
+    pub resolves_asked: AtomicU64,
+    /// Object states known absent without one (`PgCache::complete_at`).
+    pub resolves_absent_local: AtomicU64,
 }
 
 /// A client op waiting on its PG: the message and its tracking.

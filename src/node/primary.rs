@@ -69,6 +69,15 @@ pub struct PgCache {
     pub(super) members: Vec<Option<u32>>,
     pub(super) objs: HashMap<Vec<u8>, ObjState>,
     seq: u32,
+    /// `Some(node_change_epoch)` when a recovery pass planned at that epoch, with these
+    /// members, left every up member complete: from then until a node changes state, every
+    /// acknowledged write of the PG includes this node's own shard, so an object this node
+    /// has no shard of does not exist (no stat round to the members is needed to know it).
+    pub(super) complete_at: Option<u64>,
+    /// Newest version this primary wrote to every up member while `complete_at` held.
+    pub(super) last_version: u64,
+    /// Newest version the up members were told they are complete through (their marks).
+    pub(super) marked: u64,
 }
 
 /// One op's view of its PG.
@@ -275,6 +284,7 @@ impl Node {
             c.members = ctx.acting.members.clone();
             c.node_change_epoch = changed;
             c.objs.clear();
+            c.complete_at = None;
         }
     }
 
@@ -413,6 +423,10 @@ impl Node {
         if let Some(s) = c.objs.get(name) {
             return Ok(s.clone());
         }
+        if let Some(st) = self.known_absent(ctx, c, name) {
+            return Ok(st);
+        }
+        self.counters.resolves_asked.fetch_add(1, Relaxed);
         let reqs = (0..ctx.n())
             .filter(|s| ctx.acting.members[*s].is_some())
             .map(|s| {
@@ -512,6 +526,37 @@ impl Node {
             }
         }
         Err(Error::remote(Status::Internal, "resolve did not converge"))
+    }
+
+    /// The absent state of an object this node, as a complete member (`PgCache::complete_at`),
+    /// has no shard of; `None` when that is not known without asking the members.
+    fn known_absent(&self, ctx: &Ctx, c: &PgCache, name: &[u8]) -> Option<ObjState> {
+        let valid = c.complete_at.is_some()
+            && c.complete_at == Some(self.monc.node_change_epoch())
+            && c.members == ctx.acting.members;
+        if !valid {
+            return None;
+        }
+        let slot = ctx
+            .acting
+            .members
+            .iter()
+            .position(|m| *m == Some(self.id))?;
+        let mine = self
+            .local
+            .stat(ctx.pool.id, ctx.pg, name, slot as u8)
+            .ok()?;
+        if mine.meta.is_some() {
+            return None;
+        }
+        self.counters.resolves_absent_local.fetch_add(1, Relaxed);
+        let current = (0..ctx.n())
+            .filter(|s| ctx.up(*s).is_some())
+            .fold(0, |a, s| a | bit(s));
+        Some(ObjState {
+            current,
+            ..ObjState::default()
+        })
     }
 
     // ---- read -----------------------------------------------------------------------------
@@ -889,7 +934,14 @@ impl Node {
             &xattr_list,
             &shards.into_iter().map(Arc::new).collect::<Vec<_>>(),
             targets,
-        )?;
+        );
+        match &acked {
+            Ok(a) if up_mask & !a == 0 => c.last_version = c.last_version.max(version),
+            // Some up member (maybe this node) lags an object now: this node's shards no longer
+            // prove absence, and the members' marks cannot advance, until a recovery pass.
+            _ => c.complete_at = None,
+        }
+        let acked = acked?;
         let new = ObjState {
             version,
             size: new_size,

@@ -61,6 +61,9 @@ const WINDOW_MAX: usize = RECOVERY_THREADS;
 pub const WINDOW_START: usize = 4;
 /// The controller's period.
 pub const TICK: Duration = Duration::from_millis(200);
+/// How often a primary advances its members' marks over the writes they all acknowledged,
+/// so a member that goes down later is caught up by delta from a recent mark.
+const MARK_REFRESH: Duration = Duration::from_secs(2);
 /// Client latency (p90 of a tick) above this multiple of the baseline halves the window.
 const LATENCY_RISE: f64 = 1.5;
 /// Client latencies kept per tick for the p90.
@@ -153,6 +156,8 @@ struct Pass {
     pool: u64,
     pg: u32,
     members: Vec<Option<u32>>,
+    /// `MonClient::node_change_epoch` when planned.
+    node_change_epoch: u64,
     /// Slots that were up when planned: each gets the mark at `version` if the pass succeeds.
     up_slots: Vec<usize>,
     version: u64,
@@ -207,6 +212,8 @@ pub struct Recovery {
     backfill_bytes: AtomicU64,
     failures: AtomicU64,
     rate_bits: AtomicU64,
+    /// Times a PG's marks were advanced outside a pass (`refresh_marks`).
+    pub(super) marks_refreshed: AtomicU64,
 }
 
 impl Default for Recovery {
@@ -234,6 +241,7 @@ impl Default for Recovery {
             backfill_bytes: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             rate_bits: AtomicU64::new(0),
+            marks_refreshed: AtomicU64::new(0),
         }
     }
 }
@@ -615,6 +623,7 @@ impl Node {
         let mut dirty: BTreeSet<(u64, u32)> = BTreeSet::new();
         let mut retry_at = Instant::now();
         let mut next_tick = Instant::now() + TICK;
+        let mut next_marks = Instant::now() + MARK_REFRESH;
         loop {
             let map = self.monc.map();
             let key = (
@@ -647,6 +656,10 @@ impl Node {
                 r.tick();
                 self.update_rate(done, next_tick);
                 next_tick = Instant::now() + TICK;
+            }
+            if Instant::now() >= next_marks {
+                self.refresh_marks();
+                next_marks = Instant::now() + MARK_REFRESH;
             }
             match dirty.pop_first() {
                 Some((pool, pg)) => {
@@ -804,6 +817,7 @@ impl Node {
 
     /// Plan one PG's pass: find what each up member misses, queue the rebuilds.
     fn plan(&self, pool: u64, pg: u32) -> Result<()> {
+        let node_change_epoch = self.monc.node_change_epoch();
         let Some(ctx) = self.recovery_ctx(pool, pg) else {
             return Ok(());
         };
@@ -847,6 +861,7 @@ impl Node {
             pool,
             pg,
             members: ctx.acting.members.clone(),
+            node_change_epoch,
             up_slots: up,
             version,
             left: AtomicUsize::new(todo.len()),
@@ -883,8 +898,82 @@ impl Node {
         let ok = !pass.failed.load(Relaxed) && self.mark_members(pass).is_ok();
         if !ok {
             r.retry.lock().unwrap().insert((pass.pool, pass.pg));
+        } else {
+            // Every up member, this one included, holds every acknowledged object of the PG.
+            let pg = self.pg_lock(pass.pool, pass.pg);
+            let mut c = pg.lock().unwrap();
+            if let Some(ctx) = self.recovery_ctx(pass.pool, pass.pg) {
+                self.refresh_cache(&ctx, &mut c);
+                if c.members == pass.members && c.node_change_epoch == pass.node_change_epoch {
+                    c.complete_at = Some(pass.node_change_epoch);
+                }
+            }
         }
         r.active_passes.fetch_sub(1, Relaxed);
+    }
+
+    /// Advance the marks of every PG this node leads whose up members have all acknowledged
+    /// every write since its last complete pass (`PgCache::complete_at`): they are complete
+    /// through the newest such write. An op holds its PG's cache lock until its write is
+    /// acknowledged, so a version read under the lock has no write below it in flight.
+    fn refresh_marks(&self) {
+        type Caches = Vec<((u64, u32), Arc<Mutex<PgCache>>)>;
+        let pgs: Caches = self
+            .pgs
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(k, s)| (*k, s.cache.clone()))
+            .collect();
+        for ((pool, pg), cache) in pgs {
+            let Some(ctx) = self.recovery_ctx(pool, pg) else {
+                continue;
+            };
+            let version = {
+                let Ok(mut c) = cache.try_lock() else {
+                    continue; // an op is running: next time
+                };
+                self.refresh_cache(&ctx, &mut c);
+                if c.complete_at.is_none() || c.last_version <= c.marked {
+                    continue;
+                }
+                c.last_version
+            };
+            let reqs = (0..ctx.n())
+                .filter(|s| ctx.up(*s).is_some())
+                .map(|s| {
+                    let mut e = Enc::new(ctx.map.epoch);
+                    e.u64(pool).u32(pg).u8(s as u8).u64(version);
+                    (s, e.finish())
+                })
+                .collect();
+            match self.ask_all(&ctx, wire::MSG_PG_MARK, reqs) {
+                Ok(_) => {
+                    let mut c = cache.lock().unwrap();
+                    c.marked = c.marked.max(version);
+                    self.recovery.marks_refreshed.fetch_add(1, Relaxed);
+                }
+                Err(e) => debug!("recovery: pg {pool}.{pg:x}: advancing marks failed: {e}"),
+            }
+        }
+    }
+
+    /// PGs this node leads whose members' marks lag writes they all acknowledged (an op
+    /// running in a PG counts as lagging).
+    pub(super) fn marks_behind(&self) -> u64 {
+        let pgs: Vec<Arc<Mutex<PgCache>>> = self
+            .pgs
+            .lock()
+            .unwrap()
+            .values()
+            .map(|s| s.cache.clone())
+            .collect();
+        pgs.iter()
+            .filter(|c| match c.try_lock() {
+                Ok(c) => c.complete_at.is_some() && c.last_version > c.marked,
+                Err(_) => true,
+            })
+            .count() as u64
     }
 
     fn mark_members(&self, pass: &Pass) -> Result<()> {
