@@ -75,8 +75,9 @@ pub struct HotBenchArgs {
     pub conf: Option<PathBuf>,
     /// Run the hot clients (and their messenger threads) at this nice value, as if they were
     /// on other hosts: on a small machine they otherwise take the CPU the nodes and the probe
-    /// need. 0 keeps them at the probe's priority.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(i32).range(0..=19))]
+    /// need. 0 keeps them at the probe's priority; 20 means SCHED_IDLE (they run only on CPU
+    /// nothing else wants — closest to "on other hosts").
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(i32).range(0..=20))]
     pub client_nice: i32,
     /// Print the result as JSON
     #[arg(long)]
@@ -210,15 +211,24 @@ fn cluster_cpu_pct(a: &BTreeMap<u32, NodeStats>, b: &BTreeMap<u32, NodeStats>) -
         .sum()
 }
 
+/// Lower the calling thread's CPU priority: nice 1–19, or SCHED_IDLE for 20 (threads it
+/// spawns inherit either).
+fn lower_priority(nice: i32) {
+    if nice >= 20 {
+        let p = libc::sched_param { sched_priority: 0 };
+        // SAFETY: sets the calling thread's (pid 0) policy from a live sched_param.
+        unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &p) };
+    } else if nice > 0 {
+        // SAFETY: setpriority on the calling thread (tid 0 = the caller); no memory is passed.
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) };
+    }
+}
+
 /// The hot clients, connected from a thread at `nice` so their messenger threads inherit it.
 fn hot_clients(conf: &Path, n: u64, nice: i32) -> crate::Result<Vec<Client>> {
     std::thread::scope(|s| {
         s.spawn(|| {
-            if nice > 0 {
-                // SAFETY: setpriority on the calling thread (tid 0 = the caller); no memory
-                // is passed.
-                unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) };
-            }
+            lower_priority(nice);
             (0..n).map(|_| Client::from_config(conf)).collect()
         })
         .join()
@@ -322,10 +332,7 @@ fn run_once(conf: &Path, a: &HotBenchArgs, label: &str) -> crate::Result<HotRun>
             .map(|hc| {
                 let (stop_hot, hot_reads, hot_errors) = (&stop_hot, &hot_reads, &hot_errors);
                 s.spawn(move || {
-                    if a.client_nice > 0 {
-                        // SAFETY: as in `hot_clients`.
-                        unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, a.client_nice) };
-                    }
+                    lower_priority(a.client_nice);
                     let mut h = hist();
                     let mut n = 0u64;
                     while !stop_hot.load(Relaxed) {

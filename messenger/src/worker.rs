@@ -276,6 +276,8 @@ pub(crate) struct Worker {
     listeners: Vec<TcpListener>,
     timers: Timers,
     dirty: Vec<u32>,
+    /// Connections that spent their write quantum: they go on next pass (marked dirty).
+    resume: Vec<u32>,
     events: Vec<libc::epoll_event>,
     stopping: bool,
     /// End of the current busy-poll window.
@@ -308,6 +310,7 @@ impl Worker {
             listeners: Vec::new(),
             timers: Timers::default(),
             dirty: Vec::new(),
+            resume: Vec::new(),
             events,
             stopping: false,
             busy_until: Instant::now(),
@@ -334,7 +337,12 @@ impl Worker {
                 self.ctx.mailbox.awake();
                 self.ctx.counters.sleeps.add(1);
             }
-            let io = self.handle_events(n);
+            // Writes cut short by the quantum go first in the dirty list, so what this pass
+            // adds (a small reply, say) is written before them.
+            let resumed = self.resume.len();
+            self.resume.extend(self.dirty.drain(..));
+            std::mem::swap(&mut self.resume, &mut self.dirty);
+            let io = self.handle_events(n) + resumed;
             let cmds = self.drain_mailbox();
             let now = Instant::now();
             let fired = self.run_timers(now);
@@ -359,7 +367,7 @@ impl Worker {
     fn wait_timeout(&mut self, now: Instant) -> (Option<Duration>, WaitKind) {
         let conns = &self.conns;
         let next = self.timers.next_due(|a| timer_live(conns, a));
-        if !self.ctx.mailbox.is_empty() {
+        if !self.ctx.mailbox.is_empty() || !self.resume.is_empty() {
             return (Some(Duration::ZERO), WaitKind::Ready);
         }
         if now < self.busy_until {

@@ -22,6 +22,8 @@ impl Worker {
         }
     }
 
+    /// Write every dirty connection's queue, newest dirty first (a small reply queued this
+    /// pass goes before the rest of a large one), each up to [`WRITE_QUANTUM`] bytes.
     pub(super) fn flush_dirty(&mut self) {
         while let Some(slot) = self.dirty.pop() {
             let Some(Some(c)) = self.conns.get_mut(slot as usize) else {
@@ -33,7 +35,9 @@ impl Worker {
         }
     }
 
-    /// Write queued frames with vectored writes until done or the socket is full.
+    /// Write queued frames with vectored writes until done, the socket is full, or this
+    /// pass's quantum is spent (then the connection goes on in the next pass, after the
+    /// events and commands that arrived meanwhile).
     pub(super) fn flush(&mut self, c: &mut Conn) -> Result<(), Close> {
         if matches!(c.phase, Phase::Connecting | Phase::Backoff) {
             return Ok(());
@@ -41,22 +45,50 @@ impl Worker {
         let Some(sock) = c.sock.as_mut() else {
             return Ok(());
         };
-        c.tx.blocked = write_queued(sock, &mut c.tx, &self.ctx.counters)?;
+        let r = write_queued(sock, &mut c.tx, &self.ctx.counters, WRITE_QUANTUM)?;
+        c.tx.blocked = r == Written::Blocked;
+        if r == Written::Quantum && !c.dirty {
+            c.dirty = true;
+            self.resume.push(c.shared.slot);
+        }
         self.apply_interest(c)
     }
 }
 
-/// Write until the queue is empty (false) or the socket is full (true). A short write means
-/// the socket buffer is full: stop there rather than pay for a write that returns EAGAIN.
+/// Most bytes one connection writes per worker pass. A 4 MiB reply goes out in a few passes,
+/// so a small message on another connection of the same worker waits for at most this much
+/// copying per busy connection, not for whole large messages (the hot-object storm: probe
+/// replies queued behind 4 MiB replies).
+pub(super) const WRITE_QUANTUM: usize = 256 << 10;
+
+/// How a [`write_queued`] call ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Written {
+    /// The queue is empty.
+    Done,
+    /// The socket is full: wait for EPOLLOUT.
+    Blocked,
+    /// `quantum` bytes were written and more are queued.
+    Quantum,
+}
+
+/// Write until the queue is empty, the socket is full, or `quantum` bytes are written. A short
+/// write means the socket buffer is full: stop there rather than pay for a write that returns
+/// EAGAIN.
 pub(super) fn write_queued(
     sock: &mut TcpStream,
     tx: &mut Tx,
     counters: &WorkerCounters,
-) -> Result<bool, Close> {
+    quantum: usize,
+) -> Result<Written, Close> {
+    let mut left = quantum;
     while !tx.queue.is_empty() {
+        if left == 0 {
+            return Ok(Written::Quantum);
+        }
         let (r, asked) = {
             let mut iov = [IoSlice::new(&[]); IOV_MAX];
-            let k = gather(tx, &mut iov);
+            let k = gather(tx, &mut iov, left);
             let asked: usize = iov[..k].iter().map(|s| s.len()).sum();
             (sock.write_vectored(&iov[..k]), asked)
         };
@@ -65,22 +97,24 @@ pub(super) fn write_queued(
             Ok(n) => {
                 counters.bytes_out.add(n as u64);
                 counters.frames_out.add(consume(tx, n));
+                left -= n.min(left);
                 if n < asked {
-                    return Ok(true);
+                    return Ok(Written::Blocked);
                 }
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Written::Blocked),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(Close::Io(e)),
         }
     }
-    Ok(false)
+    Ok(Written::Done)
 }
 
-/// Fill `iov` with the unwritten bytes of the queued frames; returns how many slices.
-pub(super) fn gather<'a>(tx: &'a Tx, iov: &mut [IoSlice<'a>; IOV_MAX]) -> usize {
+/// Fill `iov` with up to `max` unwritten bytes of the queued frames; returns how many slices.
+pub(super) fn gather<'a>(tx: &'a Tx, iov: &mut [IoSlice<'a>; IOV_MAX], max: usize) -> usize {
     let mut k = 0;
     let mut skip = tx.head_done;
+    let mut room = max;
     'frames: for f in &tx.queue {
         let segs = std::iter::once(&f.header[..])
             .chain(f.parts.iter().map(|p| p.bytes()))
@@ -90,10 +124,12 @@ pub(super) fn gather<'a>(tx: &'a Tx, iov: &mut [IoSlice<'a>; IOV_MAX]) -> usize 
                 skip -= seg.len();
                 continue;
             }
-            iov[k] = IoSlice::new(&seg[skip..]);
+            let take = (seg.len() - skip).min(room);
+            iov[k] = IoSlice::new(&seg[skip..skip + take]);
             skip = 0;
             k += 1;
-            if k == IOV_MAX {
+            room -= take;
+            if k == IOV_MAX || room == 0 {
                 break 'frames;
             }
         }
