@@ -340,7 +340,7 @@ impl Worker {
             // Writes cut short by the quantum go first in the dirty list, so what this pass
             // adds (a small reply, say) is written before them.
             let resumed = self.resume.len();
-            self.resume.extend(self.dirty.drain(..));
+            self.resume.append(&mut self.dirty);
             std::mem::swap(&mut self.resume, &mut self.dirty);
             let io = self.handle_events(n) + resumed;
             let cmds = self.drain_mailbox();
