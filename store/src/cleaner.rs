@@ -1,11 +1,12 @@
 //! The cleaner: when free segments run low, pick a victim by cost-benefit, find its live
 //! chunks by walking its batches and checking each against the index, and relocate them
-//! through the commit thread one object at a time (small steps, a bounded share of each commit
-//! round, so foreground IO is not stalled). A relocation commits only if the object is still in
+//! through the commit thread, one transaction per object with up to 256 objects / 1 MiB in
+//! flight (the commit thread gives background work a bounded share of each round, so
+//! foreground IO is not stalled, and many small relocations share one device write). A relocation commits only if the object is still in
 //! the state it was read in. Once a victim holds no live data it is freed as soon as the next
 //! checkpoint moves the replay start past it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,6 +25,28 @@ use crate::Shared;
 
 /// How often the cleaner looks at free space when nothing wakes it.
 const CLEANER_PERIOD: Duration = Duration::from_millis(20);
+/// Relocations the cleaner keeps in flight: at most this many objects ...
+const RELOCATE_TXNS_MAX: usize = 256;
+/// ... and about this many bytes (the commit thread gives background work at least 1 MiB
+/// of each round).
+const RELOCATE_BYTES_MAX: u64 = 1 << 20;
+
+/// Wait for the oldest relocation in flight. `Ok(false)`: the store is shutting down.
+fn wait_oldest(
+    pending: &mut VecDeque<(Receiver<TxnResult>, u64)>,
+    pending_bytes: &mut u64,
+) -> Result<bool> {
+    let Some((rx, bytes)) = pending.pop_front() else {
+        return Ok(true);
+    };
+    *pending_bytes -= bytes;
+    match rx.recv() {
+        // A conflict: the object changed since it was read; its new state lives elsewhere.
+        Ok(TxnResult::Committed { .. }) | Ok(TxnResult::Conflict) => Ok(true),
+        Ok(TxnResult::Failed(e)) => Err(e),
+        Err(_) => Ok(false),
+    }
+}
 
 pub(crate) struct Cleaner<D: BlockDevice> {
     sh: Arc<Shared<D>>,
@@ -117,6 +140,10 @@ impl<D: BlockDevice> Cleaner<D> {
             off += total;
         }
         let in_seg = |r: &ChunkRef| r.len.get() > 0 && layout.segment_of(r.offset.get()) == seg;
+        // Relocations in flight: the commit thread takes many into one round (its background
+        // share), so small objects do not cost a device write and flush each.
+        let mut pending: VecDeque<(Receiver<TxnResult>, u64)> = VecDeque::new();
+        let mut pending_bytes = 0u64;
         for key in keys.into_keys() {
             let Some(m) = self.sh.index.get(&key).map(|e| e.value().clone()) else {
                 continue;
@@ -178,14 +205,28 @@ impl<D: BlockDevice> Cleaner<D> {
                 }],
                 background: true,
             };
+            let moved: u64 = m
+                .chunks
+                .iter()
+                .chain([&m.xattrs])
+                .filter(|r| in_seg(r))
+                .map(|r| r.len.get() as u64)
+                .sum();
             let (tx, rx) = crossbeam::channel::bounded(1);
             if self.bg.send(Msg::Txn(Box::new(txn), tx)).is_err() {
                 return Ok(false);
             }
-            match rx.recv() {
-                Ok(TxnResult::Committed { .. }) | Ok(TxnResult::Conflict) => {}
-                Ok(TxnResult::Failed(e)) => return Err(e),
-                Err(_) => return Ok(false),
+            pending.push_back((rx, moved));
+            pending_bytes += moved;
+            while pending.len() >= RELOCATE_TXNS_MAX || pending_bytes > RELOCATE_BYTES_MAX {
+                if !wait_oldest(&mut pending, &mut pending_bytes)? {
+                    return Ok(false);
+                }
+            }
+        }
+        while !pending.is_empty() {
+            if !wait_oldest(&mut pending, &mut pending_bytes)? {
+                return Ok(false);
             }
         }
         let segs = self.sh.segs.lock().unwrap();
