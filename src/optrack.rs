@@ -242,6 +242,12 @@ pub fn event(ev: Ev, shard: u8) {
     });
 }
 
+/// The calling thread's current op, to record events for it from other threads (a shard
+/// reply's callback on a messenger worker).
+pub fn current() -> Option<Arc<TrackedOp>> {
+    CURRENT.with(|c| c.borrow().clone())
+}
+
 /// Makes `op` the calling thread's current op until dropped.
 pub struct CurrentGuard(Option<Arc<TrackedOp>>);
 

@@ -74,6 +74,42 @@ impl<T> WaitQueue<T> {
     }
 }
 
+/// Collects a known number of items pushed by other threads. The waiter wakes once, when the
+/// last one arrives (not once per item: a primary waiting for k + m shard replies would
+/// otherwise be woken for each).
+pub struct Gather<T> {
+    items: Mutex<Vec<T>>,
+    expected: usize,
+    cv: Condvar,
+}
+
+impl<T> Gather<T> {
+    pub fn new(expected: usize) -> Self {
+        Gather {
+            items: Mutex::new(Vec::with_capacity(expected)),
+            expected,
+            cv: Condvar::new(),
+        }
+    }
+
+    pub fn push(&self, v: T) {
+        let mut g = self.items.lock().unwrap();
+        g.push(v);
+        if g.len() >= self.expected {
+            self.cv.notify_one();
+        }
+    }
+
+    /// Every item, once `expected` have arrived (in arrival order).
+    pub fn wait_all(&self) -> Vec<T> {
+        let mut g = self.items.lock().unwrap();
+        while g.len() < self.expected {
+            g = self.cv.wait(g).unwrap();
+        }
+        std::mem::take(&mut *g)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -29,7 +29,7 @@ use crate::map::{ClusterMap, PoolInfo};
 use crate::ops::{self, ClientOp, ObjStat, OpResult, SubOp};
 use crate::optrack::{self, Ev};
 use crate::placement::{pg_of, Acting};
-use crate::queue::WaitQueue;
+use crate::queue::Gather;
 use crate::wire::{self, Dec, Enc, Status};
 
 /// Timeout of one shard request.
@@ -304,63 +304,55 @@ impl Node {
         reqs: Vec<(usize, Vec<SendBuf>)>,
         local: &dyn Fn(usize, Vec<SendBuf>) -> Result<Payload>,
     ) -> Vec<(usize, Result<Payload>)> {
-        let replies = Arc::new(WaitQueue::new());
+        let remote = reqs
+            .iter()
+            .filter(|(s, _)| ctx.up(*s).is_some_and(|n| n != self.id))
+            .count();
+        // Every remote request ends in exactly one push (reply, timeout, connection loss, or
+        // no connection), and this thread wakes once, when the last is in.
+        let replies = Arc::new(Gather::new(remote));
+        let op = optrack::current();
+        let mut out = Vec::new();
         let mut mine = Vec::new();
-        let mut sent = 0;
         for (slot, parts) in reqs {
             let Some(node) = ctx.up(slot) else {
-                replies.push((slot, Err(Error::remote(Status::Unavailable, "member down"))));
-                sent += 1;
+                out.push((slot, Err(Error::remote(Status::Unavailable, "member down"))));
                 continue;
             };
             if node == self.id {
                 mine.push((slot, parts));
                 continue;
             }
-            sent += 1;
-            let tx = replies.clone();
             optrack::event(Ev::SubOpSent, slot as u8);
             match self.peer(node) {
                 Ok(conn) => {
+                    let (tx, op) = (replies.clone(), op.clone());
                     let msg = OutMessage { msg_type, parts };
                     conn.request_with(msg, SHARD_TIMEOUT, move |r| {
                         let r = r.map_err(Error::from).and_then(|reply| {
                             let (_, res) = wire::parse_reply_epoch(&reply.payload);
                             res.map(|_| reply.payload.clone())
                         });
+                        // Recorded when the reply arrives, not when the op thread wakes.
+                        if let Some(op) = &op {
+                            op.event(sub_op_ev(&r), slot as u8);
+                        }
                         tx.push((slot, r));
                     });
                 }
                 Err(e) => {
+                    optrack::event(Ev::SubOpFailed, slot as u8);
                     replies.push((slot, Err(e)));
                 }
             }
         }
-        let mut out = Vec::new();
-        let ack = |slot: usize, r: &Result<Payload>| {
-            let ev = if r.is_ok() {
-                Ev::SubOpAcked
-            } else {
-                Ev::SubOpFailed
-            };
-            optrack::event(ev, slot as u8);
-        };
         for (slot, parts) in mine {
             optrack::event(Ev::SubOpSent, slot as u8);
             let r = local(slot, parts);
-            ack(slot, &r);
+            optrack::event(sub_op_ev(&r), slot as u8);
             out.push((slot, r));
         }
-        // Every request ends in exactly one callback (reply, timeout or connection loss).
-        for _ in 0..sent {
-            match replies.pop() {
-                Some(r) => {
-                    ack(r.0, &r.1);
-                    out.push(r)
-                }
-                None => break,
-            }
-        }
+        out.extend(replies.wait_all());
         out
     }
 
@@ -1255,6 +1247,15 @@ impl Fetched {
         let mut v = vec![0u8; self.len];
         self.copy_into(0, &mut v);
         v
+    }
+}
+
+/// The timeline event of a shard request's outcome.
+fn sub_op_ev<T>(r: &Result<T>) -> Ev {
+    if r.is_ok() {
+        Ev::SubOpAcked
+    } else {
+        Ev::SubOpFailed
     }
 }
 
