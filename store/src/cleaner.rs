@@ -14,7 +14,7 @@ use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
 use driver::BlockDevice;
 
 use crate::commit::{
-    Base, ChunkSrc, DataRef, Msg, Mut, MutOp, Prepared, PutState, TxnResult, XattrSrc,
+    Base, ChunkSrc, DataRef, Msg, Mut, MutOp, Prepared, PutState, ReplyWaiter, TxnResult, XattrSrc,
 };
 use crate::error::Result;
 use crate::format::{ChunkRef, SEGMENT_LOG};
@@ -33,7 +33,7 @@ const RELOCATE_BYTES_MAX: u64 = 1 << 20;
 
 /// Wait for the oldest relocation in flight. `Ok(false)`: the store is shutting down.
 fn wait_oldest(
-    pending: &mut VecDeque<(Receiver<TxnResult>, u64)>,
+    pending: &mut VecDeque<(ReplyWaiter, u64)>,
     pending_bytes: &mut u64,
 ) -> Result<bool> {
     let Some((rx, bytes)) = pending.pop_front() else {
@@ -142,7 +142,7 @@ impl<D: BlockDevice> Cleaner<D> {
         let in_seg = |r: &ChunkRef| r.len.get() > 0 && layout.segment_of(r.offset.get()) == seg;
         // Relocations in flight: the commit thread takes many into one round (its background
         // share), so small objects do not cost a device write and flush each.
-        let mut pending: VecDeque<(Receiver<TxnResult>, u64)> = VecDeque::new();
+        let mut pending: VecDeque<(ReplyWaiter, u64)> = VecDeque::new();
         let mut pending_bytes = 0u64;
         for key in keys.into_keys() {
             let Some(m) = self.sh.index.get(&key).map(|e| e.value().clone()) else {
@@ -212,7 +212,7 @@ impl<D: BlockDevice> Cleaner<D> {
                 .filter(|r| in_seg(r))
                 .map(|r| r.len.get() as u64)
                 .sum();
-            let (tx, rx) = crossbeam::channel::bounded(1);
+            let (tx, rx) = crate::commit::reply_pair();
             if self.bg.send(Msg::Txn(Box::new(txn), tx)).is_err() {
                 return Ok(false);
             }

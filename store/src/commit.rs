@@ -156,15 +156,79 @@ pub(crate) enum TxnResult {
     Failed(StoreError),
 }
 
+/// The commit thread's answer to one transaction. Its waiter parks at once: a channel's
+/// receiver spins and yields before parking, which on a few cores shared by many store
+/// threads costs more CPU than the wait itself. Dropped unanswered (the commit thread
+/// stopping), it wakes the waiter with "closed".
+pub(crate) struct Reply {
+    slot: Arc<ReplySlot>,
+    sent: bool,
+}
+
+/// Waits for a [`Reply`].
+pub(crate) struct ReplyWaiter(Arc<ReplySlot>);
+
+#[derive(Default)]
+pub(crate) struct ReplySlot {
+    /// `Some(None)`: the reply was dropped unanswered.
+    v: std::sync::Mutex<Option<Option<TxnResult>>>,
+    cv: std::sync::Condvar,
+}
+
+/// A reply and its waiter.
+pub(crate) fn reply_pair() -> (Reply, ReplyWaiter) {
+    let slot = Arc::new(ReplySlot::default());
+    (
+        Reply {
+            slot: slot.clone(),
+            sent: false,
+        },
+        ReplyWaiter(slot),
+    )
+}
+
+impl Reply {
+    pub(crate) fn send(mut self, r: TxnResult) {
+        self.sent = true;
+        self.put(Some(r));
+    }
+
+    fn put(&self, r: Option<TxnResult>) {
+        *self.slot.v.lock().unwrap() = Some(r);
+        self.slot.cv.notify_one();
+    }
+}
+
+impl Drop for Reply {
+    fn drop(&mut self) {
+        if !self.sent {
+            self.put(None);
+        }
+    }
+}
+
+impl ReplyWaiter {
+    /// The result; `Err` if the commit thread dropped the transaction unanswered.
+    pub(crate) fn recv(self) -> std::result::Result<TxnResult, ()> {
+        let mut g = self.0.v.lock().unwrap();
+        loop {
+            match g.take() {
+                Some(r) => return r.ok_or(()),
+                None => g = self.0.cv.wait(g).unwrap(),
+            }
+        }
+    }
+}
+
 pub(crate) enum Msg {
-    Txn(Box<Prepared>, Sender<TxnResult>),
+    Txn(Box<Prepared>, Reply),
     Checkpoint(Sender<Result<()>>),
 }
 
 /// A transaction that passed its checks, with everything needed to write and apply it.
 struct Accepted {
     txn: Box<Prepared>,
-    reply: Sender<TxnResult>,
+    reply: Reply,
     seq: u64,
     /// Index state of each mut's object when checked.
     cur: Vec<Option<Arc<ObjectMeta>>>,
@@ -215,7 +279,7 @@ pub(crate) struct Committer<D: BlockDevice> {
     log: StreamHead,
     sb: Superblock,
     next_op_seq: u64,
-    deferred: VecDeque<(Box<Prepared>, Sender<TxnResult>)>,
+    deferred: VecDeque<(Box<Prepared>, Reply)>,
     ckpt: Option<Checkpointing>,
     ckpt_requests: Vec<Sender<Result<()>>>,
     log_bytes_since_ckpt: u64,
@@ -229,7 +293,7 @@ pub(crate) struct Committer<D: BlockDevice> {
     keys_in_flight: HashSet<ObjectKey>,
     round_id: u64,
     /// Transactions waiting for the cleaner to free space, and the free count when they parked.
-    space_waiters: Vec<(Box<Prepared>, Sender<TxnResult>, Instant)>,
+    space_waiters: Vec<(Box<Prepared>, Reply, Instant)>,
     space_free_at_park: u64,
 }
 
@@ -449,7 +513,7 @@ impl<D: BlockDevice> Committer<D> {
         self.publish_stats();
     }
 
-    fn take(&mut self, m: Msg, round: &mut Vec<(Box<Prepared>, Sender<TxnResult>)>) {
+    fn take(&mut self, m: Msg, round: &mut Vec<(Box<Prepared>, Reply)>) {
         match m {
             Msg::Txn(t, r) => round.push((t, r)),
             Msg::Checkpoint(r) => match &mut self.ckpt {
@@ -464,7 +528,7 @@ impl<D: BlockDevice> Committer<D> {
         &mut self,
         user: &Receiver<Msg>,
         bg: &Receiver<Msg>,
-        round: &mut Vec<(Box<Prepared>, Sender<TxnResult>)>,
+        round: &mut Vec<(Box<Prepared>, Reply)>,
     ) {
         let mut incoming: Vec<_> = std::mem::take(round);
         incoming.splice(0..0, self.deferred.drain(..));
@@ -474,31 +538,29 @@ impl<D: BlockDevice> Committer<D> {
         let bytes = std::cell::Cell::new(0u64);
         let bg_bytes = std::cell::Cell::new(0u64);
         let mut keys: HashSet<ObjectKey> = HashSet::new();
-        let mut admit = |t: Box<Prepared>,
-                         r: Sender<TxnResult>,
-                         round: &mut Vec<_>,
-                         deferred: &mut VecDeque<_>| {
-            let size = txn_bytes(&t);
-            let clash = t
-                .muts
-                .iter()
-                .any(|m| keys.contains(&m.key) || in_flight.contains(&m.key));
-            let full = round.len() >= ROUND_TXNS_MAX
-                || (!round.is_empty() && bytes.get() + size > max_bytes);
-            if clash || full {
-                deferred.push_back((t, r));
-                return false;
-            }
-            for m in &t.muts {
-                keys.insert(m.key.clone());
-            }
-            bytes.set(bytes.get() + size);
-            if t.background {
-                bg_bytes.set(bg_bytes.get() + size);
-            }
-            round.push((t, r));
-            true
-        };
+        let mut admit =
+            |t: Box<Prepared>, r: Reply, round: &mut Vec<_>, deferred: &mut VecDeque<_>| {
+                let size = txn_bytes(&t);
+                let clash = t
+                    .muts
+                    .iter()
+                    .any(|m| keys.contains(&m.key) || in_flight.contains(&m.key));
+                let full = round.len() >= ROUND_TXNS_MAX
+                    || (!round.is_empty() && bytes.get() + size > max_bytes);
+                if clash || full {
+                    deferred.push_back((t, r));
+                    return false;
+                }
+                for m in &t.muts {
+                    keys.insert(m.key.clone());
+                }
+                bytes.set(bytes.get() + size);
+                if t.background {
+                    bg_bytes.set(bg_bytes.get() + size);
+                }
+                round.push((t, r));
+                true
+            };
         for (t, r) in incoming {
             admit(t, r, round, &mut self.deferred);
         }
@@ -531,7 +593,7 @@ impl<D: BlockDevice> Committer<D> {
 
     /// Check, lay out and submit a round; it is published when the device says it is durable.
     /// Returns whether anything was submitted.
-    fn start_round(&mut self, round: Vec<(Box<Prepared>, Sender<TxnResult>)>) -> bool {
+    fn start_round(&mut self, round: Vec<(Box<Prepared>, Reply)>) -> bool {
         if let Some(why) = &self.failed {
             for (_, r) in round {
                 let _ = r.send(TxnResult::Failed(StoreError::Invalid(format!(

@@ -511,7 +511,7 @@ impl<D: BlockDevice + 'static> Store<D> {
             if prepared.muts.is_empty() {
                 return Ok(self.sh.stats.next_op_seq.get().saturating_sub(1));
             }
-            let (rtx, rrx) = crossbeam::channel::bounded(1);
+            let (rtx, rrx) = crate::commit::reply_pair();
             tx.send(Msg::Txn(Box::new(prepared), rtx))
                 .map_err(|_| StoreError::Closed)?;
             // The commit thread reads `txn`'s data until it replies: this wait is unconditional.
