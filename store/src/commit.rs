@@ -429,7 +429,7 @@ impl<D: BlockDevice> Committer<D> {
             for a in r.accepted {
                 let Accepted { txn, reply, .. } = a;
                 drop(txn);
-                let _ = reply.send(TxnResult::Failed(StoreError::Invalid(format!(
+                reply.send(TxnResult::Failed(StoreError::Invalid(format!(
                     "log write failed: {why}"
                 ))));
             }
@@ -480,7 +480,7 @@ impl<D: BlockDevice> Committer<D> {
                 drop(t);
                 let segs = self.sh.segs.lock().unwrap();
                 let rep = segs.report(segs.replay_start);
-                let _ = r.send(TxnResult::Failed(StoreError::OutOfSpace {
+                r.send(TxnResult::Failed(StoreError::OutOfSpace {
                     device: self.sh.name.clone(),
                     used: rep.segments_total - rep.segments_free,
                     total: rep.segments_total,
@@ -499,7 +499,7 @@ impl<D: BlockDevice> Committer<D> {
         }
         for (t, r, _) in std::mem::take(&mut self.space_waiters) {
             drop(t);
-            let _ = r.send(TxnResult::Failed(StoreError::Closed));
+            r.send(TxnResult::Failed(StoreError::Closed));
         }
         // Finish an in-progress checkpoint so the next open replays little.
         while self.ckpt.is_some() && self.failed.is_none() {
@@ -596,7 +596,7 @@ impl<D: BlockDevice> Committer<D> {
     fn start_round(&mut self, round: Vec<(Box<Prepared>, Reply)>) -> bool {
         if let Some(why) = &self.failed {
             for (_, r) in round {
-                let _ = r.send(TxnResult::Failed(StoreError::Invalid(format!(
+                r.send(TxnResult::Failed(StoreError::Invalid(format!(
                     "the store stopped accepting writes after a device write failed: {why}"
                 ))));
             }
@@ -622,7 +622,7 @@ impl<D: BlockDevice> Committer<D> {
                 }
                 Err(CheckErr::Reply(res)) => {
                     drop(txn);
-                    let _ = reply.send(res);
+                    reply.send(res);
                 }
                 Err(CheckErr::WaitSpace) => {
                     let free = self.sh.segs.lock().unwrap().free_count();
@@ -1009,7 +1009,7 @@ impl<D: BlockDevice> Committer<D> {
             if !background {
                 self.sh.stats.txns.inc();
             }
-            let _ = reply.send(TxnResult::Committed { version });
+            reply.send(TxnResult::Committed { version });
         }
         self.sh.stats.user_bytes.add(user_bytes);
         self.sh.stats.rounds.inc();
