@@ -380,3 +380,67 @@ fn salvage_open_never_reissues_a_lost_batchs_versions() {
     let v = s.write_full(&key("a"), b"after").unwrap();
     assert!(v > lost, "version {v} reissued (the lost batch had {lost})");
 }
+
+/// Skips that cross a segment boundary (the lost batch is the last of its segment, or the
+/// first of the next one) and a run of two lost batches: replay resumes at the next valid
+/// batch of the chain, and new writes go after the last valid batch.
+#[test]
+fn salvage_open_skips_across_segments_and_runs_of_batches() {
+    const SEG: u64 = 2 << 20;
+    let seg_of = |off: u64| (off - 65536) / SEG;
+    for case in ["last in segment", "first in segment", "two in a row"] {
+        let (dev, s) = fresh(64, 18);
+        s.checkpoint().unwrap();
+        let mut objs = Vec::new();
+        let mut heads = Vec::new();
+        // Write until the log has moved into a second segment and a few batches beyond.
+        let mut moved_at = None;
+        for i in 0..200 {
+            let name = format!("o{i}");
+            let d = data(1000 + i, 150_000);
+            s.write_full(&key(&name), &d).unwrap();
+            let off = s.meta(&key(&name)).unwrap().chunks[0].offset.get();
+            if moved_at.is_none() && i > 0 && seg_of(off) != seg_of(heads[i as usize - 1]) {
+                moved_at = Some(i as usize);
+            }
+            heads.push(off);
+            objs.push((name, d));
+            if moved_at.is_some_and(|m| i as usize >= m + 3) {
+                break;
+            }
+        }
+        let m = moved_at.expect("the log moved to another segment");
+        let rot: Vec<usize> = match case {
+            "last in segment" => vec![m - 1],
+            "first in segment" => vec![m],
+            _ => vec![m - 2, m - 1],
+        };
+        let after = fill(&s, 3, 9);
+        drop(s);
+        for &i in &rot {
+            dev.flip_bit(heads[i] - BS + 8, 0);
+        }
+        let (s, _) = Store::open(dev.clone(), Some(FSID), salvage()).unwrap();
+        let rep = s.salvage_report().to_vec();
+        assert_eq!(rep.len(), 1, "{case}: {rep:?}");
+        assert_eq!(rep[0].offset, heads[rot[0]] - BS, "{case}");
+        assert_eq!(rep[0].batches_skipped, rot.len() as u64, "{case}");
+        for (i, (name, d)) in objs.iter().enumerate() {
+            if rot.contains(&i) {
+                assert!(
+                    !s.exists(&key(name)),
+                    "{case}: {name} was only in a lost batch"
+                );
+            } else {
+                assert_eq!(&s.read_vec(&key(name), 0, u64::MAX).unwrap(), d, "{case}");
+            }
+        }
+        read_all(&s, &after);
+        let more = fill(&s, 4, 10);
+        drop(s);
+        let (s, _) = Store::open(dev.clone(), Some(FSID), salvage()).unwrap();
+        assert_eq!(s.salvage_report(), &rep[..], "{case}");
+        read_all(&s, &after);
+        read_all(&s, &more);
+    }
+}
