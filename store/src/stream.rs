@@ -453,12 +453,16 @@ impl StreamReader {
                     Some((header.meta_bytes.get() as usize, header.record_count.get())),
                 ),
                 Checked::NoBatch => {
-                    let raw = &image[pos.off as usize..pos.off as usize + 64];
-                    let stored = u32::from_le_bytes(raw[60..64].try_into().unwrap());
+                    // (No room for a header at all when the segment is full up to `pos.off`.)
+                    let raw = image.get(pos.off as usize..pos.off as usize + 64);
+                    let (stored, computed) = raw.map_or((0, 0), |raw| {
+                        let stored = u32::from_le_bytes(raw[60..64].try_into().unwrap());
+                        (stored, crc32c::crc32c(&raw[..60]))
+                    });
                     (
                         SkipKind::Header,
                         stored,
-                        crc32c::crc32c(&raw[..60]),
+                        computed,
                         pos.off + layout.block,
                         None,
                     )
@@ -470,10 +474,13 @@ impl StreamReader {
             Some((p, _)) if p.seg == pos.seg => p.off,
             _ => layout.segment_bytes,
         };
-        let keys = crate::meta::salvage_keys(&image[pos.off as usize + 64..end as usize], meta_len);
+        let records = image
+            .get(pos.off as usize + 64..end as usize)
+            .unwrap_or_default();
+        let keys = crate::meta::salvage_keys(records, meta_len);
         let Some((next, len)) = resume else {
-            // Nothing valid follows, though a later batch proved this one acknowledged: the
-            // proof itself was the only later header, and its records are what is missing.
+            // Nothing to resume at: the proof is from an older generation, or the chain's next
+            // segment does not continue this stream.
             return Err(self.chain_broken(dev, pos.seg));
         };
         let len = len - pos.off;

@@ -444,3 +444,24 @@ fn salvage_open_skips_across_segments_and_runs_of_batches() {
         read_all(&s, &more);
     }
 }
+
+/// Salvage keeps the crash semantics: a bad last batch that nothing later proves acknowledged
+/// (here: the store crashed right after it, before any seal) is a torn tail, dropped quietly
+/// with an empty report — not salvaged, not refused.
+#[test]
+fn salvage_open_still_drops_an_unproven_tail_quietly() {
+    let (dev, s) = fresh(64, 19);
+    s.checkpoint().unwrap();
+    let a = data(8, 40_000);
+    s.write_full(&key("a"), &a).unwrap();
+    s.write_full(&key("b"), &data(9, 40_000)).unwrap();
+    let m = s.meta(&key("b")).unwrap();
+    let crashed = dev.crash(3);
+    drop(s);
+    crashed.flip_bit(m.chunks[0].offset.get() + 7, 6);
+    let (s, r) = Store::open(crashed, Some(FSID), salvage()).unwrap();
+    assert!(r.salvaged.is_empty(), "{:?}", r.salvaged);
+    assert!(s.salvage_report().is_empty());
+    assert_eq!(s.read_vec(&key("a"), 0, u64::MAX).unwrap(), a);
+    assert!(!s.exists(&key("b")), "the unproven tail is dropped");
+}
