@@ -418,77 +418,8 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
         next_seg: NO_SEGMENT,
     };
     let mut r = StreamReader::new(layout, sb.log_id.get(), SEGMENT_LOG, start);
-    let mut max_seq = 0u64;
-    let mut skipped_batches = 0u64;
-    loop {
-        while let Some(b) = r.next(&dev, &mut q)? {
-            replay_records(&index, b.records, &mut max_seq);
-            report.replayed_batches += 1;
-        }
-        let Some((offset, seq)) = r.acked_batch_after_end(&dev, &mut q)? else {
-            // A torn tail (nothing later proves it was acknowledged): the log ends here.
-            break;
-        };
-        if !config.salvage {
-            let head = r.pos;
-            return Err(StoreError::Format {
-                device: name,
-                detail: format!(
-                    "log batch {} (at or after byte {} of segment {}) is unreadable, but batch \
-                     {seq} at byte {offset} was written after it had been acknowledged: \
-                     acknowledged data is corrupt. Refusing to open rather than lose it \
-                     silently; rebuild this device from its peers",
-                    head.batch_seq, head.off, head.seg
-                ),
-            });
-        }
-        match r.salvage(&dev, &mut q)? {
-            Salvage::Data(b, bad) => {
-                let batch_seq = b.header.seq.get();
-                for it in bad {
-                    report.salvaged.push(Salvaged {
-                        device: name.clone(),
-                        kind: SalvageKind::DataCrc,
-                        offset: it.item.offset.get(),
-                        len: it.item.len.get() as u64,
-                        batch_seq,
-                        batches_skipped: 0,
-                        expected: it.item.crc.get(),
-                        found: it.found,
-                        keys: vec![it.key],
-                    });
-                }
-                replay_records(&index, b.records, &mut max_seq);
-                report.replayed_batches += 1;
-            }
-            Salvage::Skipped(s) => {
-                skipped_batches += s.resume_seq - s.first_seq;
-                report.salvaged.push(Salvaged {
-                    device: name.clone(),
-                    kind: match s.kind {
-                        SkipKind::Header => SalvageKind::BatchHeader,
-                        SkipKind::Records => SalvageKind::BatchRecords,
-                    },
-                    offset: s.offset,
-                    len: s.len,
-                    batch_seq: s.first_seq,
-                    batches_skipped: s.resume_seq - s.first_seq,
-                    expected: s.expected,
-                    found: s.found,
-                    keys: s.keys,
-                });
-            }
-        }
-    }
-    for p in &report.salvaged {
-        tracing::warn!(
-            device = %p.device,
-            offset = p.offset,
-            expected = format_args!("{:#010x}", p.expected),
-            found = format_args!("{:#010x}", p.found),
-            "salvage: {p}"
-        );
-    }
+    let (max_seq, skipped_batches) =
+        replay_log(&dev, &mut q, &mut r, &index, config.salvage, &mut report)?;
     report.replayed_bytes = r.bytes_read;
     let head = r.pos;
     tracing::debug!(?head, ?sb.replay_segment, replay_off = sb.replay_offset.get(), replay_batch = sb.replay_batch_seq.get(), ckpt = sb.ckpt_segment.get(), "replay done");
@@ -613,6 +544,92 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
         store.scrub_stop = Some(stop_tx);
     }
     Ok((store, report))
+}
+
+/// Replay the log from the reader's start into the index. At an unreadable batch that a later
+/// batch proves acknowledged: refuse, or with `salvage` get past it and note it in the report.
+/// Returns the highest op sequence replayed and how many batches were skipped.
+fn replay_log<D: BlockDevice>(
+    dev: &D,
+    q: &mut D::Queue,
+    r: &mut StreamReader,
+    index: &SkipMap<ObjectKey, Arc<ObjectMeta>>,
+    salvage: bool,
+    report: &mut OpenReport,
+) -> Result<(u64, u64)> {
+    let name = dev.name();
+    let mut max_seq = 0u64;
+    let mut skipped_batches = 0u64;
+    loop {
+        while let Some(b) = r.next(dev, q)? {
+            replay_records(index, b.records, &mut max_seq);
+            report.replayed_batches += 1;
+        }
+        let Some((offset, seq)) = r.acked_batch_after_end(dev, q)? else {
+            // A torn tail (nothing later proves it was acknowledged): the log ends here.
+            break;
+        };
+        if !salvage {
+            let head = r.pos;
+            return Err(StoreError::Format {
+                device: name.clone(),
+                detail: format!(
+                    "log batch {} (at or after byte {} of segment {}) is unreadable, but batch \
+                     {seq} at byte {offset} was written after it had been acknowledged: \
+                     acknowledged data is corrupt. Refusing to open rather than lose it \
+                     silently; rebuild this device from its peers",
+                    head.batch_seq, head.off, head.seg
+                ),
+            });
+        }
+        match r.salvage(dev, q)? {
+            Salvage::Data(b, bad) => {
+                let batch_seq = b.header.seq.get();
+                for it in bad {
+                    report.salvaged.push(Salvaged {
+                        device: name.clone(),
+                        kind: SalvageKind::DataCrc,
+                        offset: it.item.offset.get(),
+                        len: it.item.len.get() as u64,
+                        batch_seq,
+                        batches_skipped: 0,
+                        expected: it.item.crc.get(),
+                        found: it.found,
+                        keys: vec![it.key],
+                    });
+                }
+                replay_records(index, b.records, &mut max_seq);
+                report.replayed_batches += 1;
+            }
+            Salvage::Skipped(s) => {
+                skipped_batches += s.resume_seq - s.first_seq;
+                report.salvaged.push(Salvaged {
+                    device: name.clone(),
+                    kind: match s.kind {
+                        SkipKind::Header => SalvageKind::BatchHeader,
+                        SkipKind::Records => SalvageKind::BatchRecords,
+                    },
+                    offset: s.offset,
+                    len: s.len,
+                    batch_seq: s.first_seq,
+                    batches_skipped: s.resume_seq - s.first_seq,
+                    expected: s.expected,
+                    found: s.found,
+                    keys: s.keys,
+                });
+            }
+        }
+    }
+    for p in &report.salvaged {
+        tracing::warn!(
+            device = %p.device,
+            offset = p.offset,
+            expected = format_args!("{:#010x}", p.expected),
+            found = format_args!("{:#010x}", p.found),
+            "salvage: {p}"
+        );
+    }
+    Ok((max_seq, skipped_batches))
 }
 
 /// Apply one replayed batch's records to the index: a state or remove wins over what the index
