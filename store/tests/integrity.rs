@@ -544,6 +544,9 @@ fn a_skipped_batch_is_reclaimed_by_cleaner_and_checkpoints() {
     assert_eq!(s.read_vec(&key("o5"), 0, u64::MAX).unwrap(), live[5]);
 }
 
+/// A state an object had: (version, bytes), or absent.
+type ObjState = Option<(u64, Vec<u8>)>;
+
 /// Seeded: random bit flips inside acknowledged batches (headers, records, padding, data) of
 /// a log of writes and removes. The salvage open always succeeds, and every object then reads
 /// as one of the states it really had — (version, bytes) from its history, or absent where
@@ -571,7 +574,7 @@ fn salvage_never_returns_bytes_an_object_never_had() {
         let (dev, s) = fresh(64, 100 + seed);
         s.checkpoint().unwrap();
         // Per key: every state it had, (version, bytes) or None for absent.
-        let mut history: HashMap<String, Vec<Option<(u64, Vec<u8>)>>> = HashMap::new();
+        let mut history: HashMap<String, Vec<ObjState>> = HashMap::new();
         let mut spans = Vec::new();
         for op in 0..24u64 {
             let name = format!("k{}", rng.gen_range(0..8));
