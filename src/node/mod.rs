@@ -699,6 +699,7 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
         recovery_q: Arc::new(WaitQueue::new()),
         recovery: recovery::Recovery::default(),
     });
+    node.forget_marks_after_salvage();
     let _ = node.msgr.set(msgr.clone());
     let _ = disp.node.set(node.clone());
     let addr = msgr.listen(cfg.listen)?;

@@ -8,16 +8,25 @@
 //! The scrub of a PG runs on its primary, so the node asks the primaries of the PGs the damage
 //! touches (every PG it is a member of when a report does not name its objects) to start a
 //! pass, itself included — after its own boot epoch, so they see it up.
+//!
+//! A skipped batch may also have held writes that this node's recovery mark of a PG ("my
+//! shards are complete through version V", recovery.rs) vouches for. Before the node boots,
+//! the marks of the PGs skipped batches touch (of every PG on that store when a report names
+//! no objects) are dropped, so recovery backfills those PGs by listing the members' shards
+//! rather than trusting the mark. That also covers what the scrub cannot see: a primary's
+//! scrub walks the names it holds itself, so a shard the primary lost with the batch (an
+//! object created in it) is found by the backfill, not by the scrub.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use messenger::OutMessage;
-use store::{ObjectKey, Salvaged};
+use store::{ObjectKey, SalvageKind, Salvaged};
 use tracing::{info, warn};
 
 use super::local::SHARD_LOG;
+use super::recovery::{mark_key, SHARD_MARK};
 use super::Node;
 use crate::map::ClusterMap;
 use crate::monclient::MonClient;
@@ -29,10 +38,11 @@ const UP_WAIT: Duration = Duration::from_secs(30);
 /// How long one scrub request to a peer may take.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The PG a store key belongs to: shard data, rollback spill and PG log keys (local.rs).
+/// The PG a store key belongs to: shard data, rollback spill and PG log keys (local.rs),
+/// recovery marks (recovery.rs).
 fn pg_of_key(map: &ClusterMap, key: &ObjectKey) -> Option<(u64, u32)> {
     let pool = map.pools.get(&key.pool)?;
-    if key.shard == SHARD_LOG {
+    if key.shard == SHARD_LOG || key.shard == SHARD_MARK {
         let pg = u32::from_be_bytes(key.name.get(4..8)?.try_into().ok()?);
         return Some((key.pool, pg));
     }
@@ -83,6 +93,44 @@ impl Node {
             .iter()
             .flat_map(|s| s.salvage_report().iter().cloned())
             .collect()
+    }
+
+    /// Drop the recovery marks that skipped batches may have made untrue (see the module
+    /// doc). Run before the node boots, so no recovery pass has read them yet.
+    pub(super) fn forget_marks_after_salvage(&self) {
+        let map = self.monc.map();
+        for st in &self.local.stores {
+            let skipped: Vec<&Salvaged> = st
+                .salvage_report()
+                .iter()
+                .filter(|r| r.kind != SalvageKind::DataCrc)
+                .collect();
+            if skipped.is_empty() {
+                continue;
+            }
+            let all = skipped.iter().any(|r| r.keys.is_empty());
+            let pgs: BTreeSet<(u64, u32)> = skipped
+                .iter()
+                .flat_map(|r| &r.keys)
+                .filter_map(|k| pg_of_key(&map, k))
+                .collect();
+            for pool in map.pools.values() {
+                for pg in 0..pool.pg_num {
+                    let mine = std::ptr::eq(self.local.store(pool.id, pg), st);
+                    let key = mark_key(pool.id, pg);
+                    if !mine || !(all || pgs.contains(&(pool.id, pg))) || !st.exists(&key) {
+                        continue;
+                    }
+                    match st.remove(&key) {
+                        Ok(_) => info!(
+                            "salvage: recovery mark of PG {}.{pg:x} dropped: it will be backfilled",
+                            pool.id
+                        ),
+                        Err(e) => warn!("salvage: dropping the recovery mark of {key}: {e}"),
+                    }
+                }
+            }
+        }
     }
 
     /// A store opened past damage: once the map that boots this node (`up_epoch`) is here,
