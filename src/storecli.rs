@@ -72,7 +72,8 @@ pub enum StoreToolCmd {
         name: String,
         file: PathBuf,
     },
-    /// Replay, then verify every chunk; exits 1 if anything is corrupt
+    /// Replay (past damaged log batches, which it lists), then verify every chunk; exits 1 if
+    /// anything is corrupt or damaged
     Fsck,
 }
 
@@ -210,6 +211,9 @@ pub fn run_store_tool(a: StoreToolArgs) -> CliResult {
     with_device!(&a.device, none, |dev| {
         let config = StoreConfig {
             cleaner: false,
+            // fsck opens past damaged log batches to report them (and writes nothing that
+            // would drop them: a later plain open still refuses); other commands refuse.
+            salvage: matches!(a.cmd, StoreToolCmd::Fsck),
             ..StoreConfig::default()
         };
         let (store, report) = Store::open(dev, a.cluster, config)?;
@@ -283,6 +287,10 @@ fn tool<D: BlockDevice + 'static>(s: &Store<D>, cmd: StoreToolCmd) -> CliResult 
             println!("stored {} bytes as version {v}", data.len());
         }
         StoreToolCmd::Fsck => {
+            let salvaged = s.salvage_report();
+            for p in salvaged {
+                println!("damaged log: {p}");
+            }
             let r = s.scrub();
             println!(
                 "checked {} objects, {} chunks, {} MiB in {:.2} s: {} corrupt, {} unreadable",
@@ -302,7 +310,14 @@ fn tool<D: BlockDevice + 'static>(s: &Store<D>, cmd: StoreToolCmd) -> CliResult 
             for (k, e) in &r.errors {
                 println!("unreadable: {k}: {e}");
             }
-            if !r.corrupt.is_empty() || !r.errors.is_empty() {
+            if !salvaged.is_empty() {
+                println!(
+                    "{} damaged place(s) in the log: objects they changed read as their \
+                     previous state (or corrupt, for data items) until rewritten",
+                    salvaged.len()
+                );
+            }
+            if !r.corrupt.is_empty() || !r.errors.is_empty() || !salvaged.is_empty() {
                 return Ok(ExitCode::FAILURE);
             }
         }

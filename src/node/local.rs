@@ -766,9 +766,9 @@ impl Local {
         self.meta_cache.lock().unwrap().remove(&key);
         r?;
         self.meta_cache.lock().unwrap().insert(key, Some(w.meta));
-        // Move the replay start past the log that held the bad copy: a store refuses to open
-        // when a batch it must replay fails its crc. Repairs are rare; a checkpoint is cheap
-        // next to leaving the node unable to restart.
+        // Move the replay start past the log that held the bad copy: an open would otherwise
+        // report it again (salvage) or refuse (a lone store). Repairs are rare; a checkpoint
+        // is cheap.
         if let Err(e) = st.checkpoint() {
             tracing::warn!("checkpoint after repairing shard {}: {e}", w.shard);
         }

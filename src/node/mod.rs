@@ -16,6 +16,7 @@ pub mod perf;
 pub mod primary;
 pub mod recovery;
 pub mod repair;
+pub mod salvage;
 pub mod scrub;
 
 use std::collections::{HashMap, VecDeque};
@@ -622,7 +623,13 @@ fn open_devices(cfg: &NodeConfig, fsid: &[u8; 16]) -> Result<Vec<Store<FileDevic
             );
             dev
         };
-        let (st, report) = Store::open(dev, Some(*fsid), StoreConfig::default())?;
+        // Salvage: a rotten batch in the log must not keep the node down; its shards are
+        // rebuilt from their peers (salvage.rs).
+        let config = StoreConfig {
+            salvage: true,
+            ..StoreConfig::default()
+        };
+        let (st, report) = Store::open(dev, Some(*fsid), config)?;
         if st.label().node_id != cfg.id {
             return Err(Error::Config(format!(
                 "{spec}: labelled for node {}, this is node {}",
@@ -696,6 +703,7 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
         recovery_q: Arc::new(WaitQueue::new()),
         recovery: recovery::Recovery::default(),
     });
+    node.forget_marks_after_salvage();
     let _ = node.msgr.set(msgr.clone());
     let _ = disp.node.set(node.clone());
     let addr = msgr.listen(cfg.listen)?;
@@ -759,6 +767,14 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
         .name("node-scrub".into())
         .spawn(move || n.scrub_loop())
         .map_err(|e| Error::io("spawn", e))?;
+    if !node.salvage_reports().is_empty() {
+        let n = node.clone();
+        let epoch = r.epoch;
+        std::thread::Builder::new()
+            .name("node-salvage".into())
+            .spawn(move || n.request_salvage_scrubs(epoch))
+            .map_err(|e| Error::io("spawn", e))?;
+    }
     info!("node {} up at {addr}, map epoch {}", cfg.id, r.epoch);
     if !monc.map().nodes.contains_key(&cfg.id) {
         warn!("node {}: registered but not yet in the local map", cfg.id);

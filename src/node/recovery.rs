@@ -412,7 +412,7 @@ pub struct Listed {
     pub deleted: bool,
 }
 
-fn mark_key(pool: u64, pg: u32) -> ObjectKey {
+pub(super) fn mark_key(pool: u64, pg: u32) -> ObjectKey {
     let mut n = b"\0rec".to_vec();
     n.extend_from_slice(&pg.to_be_bytes());
     ObjectKey::new(pool, n, SHARD_MARK)

@@ -375,9 +375,13 @@ impl Node {
     /// the state from just before); JSON reply.
     pub(super) fn scrub_control(&self, msg: &Incoming) -> Result<Vec<u8>> {
         let mut d = Dec::new(msg.payload());
-        let _epoch = d.u64()?;
+        let epoch = d.u64()?;
         let op = d.u8()?;
         d.end()?;
+        if op == 1 {
+            // A pass asked for by a node that just booted must see it up (salvage.rs).
+            self.monc.wait_epoch(epoch, super::EPOCH_WAIT);
+        }
         // The state from before a start: a quick pass may end before the reply is built, and
         // the caller waits for `passes` to grow past this.
         let state = self.scrub.state(self.id);

@@ -111,7 +111,10 @@ impl<D: BlockDevice> Cleaner<D> {
         if h.kind.get() != SEGMENT_LOG {
             return Ok(false);
         }
-        // Walk the batches in the segment; collect keys that have records here.
+        // Walk the batches in the segment; collect keys that have records here. A block that
+        // holds no valid header (a batch a salvage open skipped, or the unwritten tail) is
+        // stepped over block by block: keys found are only candidates, checked against the
+        // index below, so a stale batch costs a lookup and nothing else.
         let mut keys: BTreeMap<ObjectKey, ()> = BTreeMap::new();
         let mut off = layout.block;
         while off + layout.block <= layout.segment_bytes {
@@ -120,12 +123,13 @@ impl<D: BlockDevice> Cleaner<D> {
             ) else {
                 break;
             };
-            if !bh.is_valid() || bh.stream_id.get() != h.stream_id.get() {
-                break;
-            }
             let total = layout.batch_bytes(bh.meta_bytes.get() as u64, bh.data_bytes.get() as u64);
-            if off + total > layout.segment_bytes {
-                break;
+            if !bh.is_valid()
+                || bh.stream_id.get() != h.stream_id.get()
+                || off + total > layout.segment_bytes
+            {
+                off += layout.block;
+                continue;
             }
             let meta = &image[off as usize + 64..off as usize + 64 + bh.meta_bytes.get() as usize];
             if crc32c::crc32c(meta) == bh.meta_crc.get() {

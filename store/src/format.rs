@@ -129,7 +129,8 @@ pub struct BatchHeader {
     pub data_crc: U32,
     /// Every batch of this stream up to this sequence was durable (acknowledged) before this
     /// batch was written. Replay uses it to tell a torn tail (stop) from a rotten batch that
-    /// was already acknowledged (refuse to open: data would be lost silently).
+    /// was already acknowledged (refuse to open: data would be lost silently; or, with
+    /// `StoreConfig::salvage`, get past it and report it).
     pub durable_through: U64,
     pub reserved: [u8; 4],
     /// CRC32C of the header bytes before this field.

@@ -42,7 +42,9 @@ use driver::BlockDevice;
 pub use error::{Result, StoreError};
 pub use key::{ObjectKey, NAME_BYTES_MAX, OBJECT_BYTES_MAX, XATTR_BYTES_MAX};
 pub use meta::{chunk_digest, content_checksum, ObjectMeta};
-pub use open::{mkfs, parse_uuid, read_label, Label, MkfsOptions, OpenReport, Uuid};
+pub use open::{
+    mkfs, parse_uuid, read_label, Label, MkfsOptions, OpenReport, SalvageKind, Salvaged, Uuid,
+};
 pub use read::{ObjectStat, Part, ReadBuf};
 pub use reader::Reader;
 pub use scrub::{CorruptChunk, ScrubReport};
@@ -66,6 +68,12 @@ pub struct StoreConfig {
     /// Run a background scrub: every `interval` a pass reads and verifies every chunk at
     /// no more than `bytes_per_sec`. `None`: scrub only when asked (`scrub`, `scrub_step`).
     pub scrub: Option<ScrubSchedule>,
+    /// Open past acknowledged log batches that fail their checks instead of refusing: apply a
+    /// batch whose records check (its bad data items then read as `Corrupted`), skip one whose
+    /// header or records do not, and list every such problem in [`Store::salvage_report`].
+    /// For stores whose data has redundancy elsewhere (a cluster node); a lone store keeps the
+    /// default, which refuses the open rather than lose acknowledged data silently.
+    pub salvage: bool,
 }
 
 /// When and how fast the background scrub runs.
@@ -84,6 +92,7 @@ impl Default for StoreConfig {
             staging_bytes: 16 << 20,
             cleaner: true,
             scrub: None,
+            salvage: false,
         }
     }
 }
@@ -103,6 +112,8 @@ pub(crate) struct Shared<D: BlockDevice> {
     pub spare_queue: Mutex<Option<D::Queue>>,
     /// The last complete background scrub pass.
     pub last_scrub: Mutex<Option<ScrubReport>>,
+    /// What a salvage open got past (empty when nothing was damaged).
+    pub salvaged: Vec<Salvaged>,
 }
 
 /// An open store on a device. Share it between threads by reference (or `Arc`); every method
@@ -185,6 +196,14 @@ impl<D: BlockDevice + 'static> Store<D> {
     /// does the same.
     pub fn close(mut self) {
         self.stop();
+    }
+
+    /// The damage a salvage open ([`StoreConfig::salvage`]) got past: one entry per damaged
+    /// data item (its reads return `Corrupted` until rewritten) and per run of skipped log
+    /// batches (objects they changed read as their previous state). Empty when the log
+    /// replayed clean.
+    pub fn salvage_report(&self) -> &[Salvaged] {
+        &self.sh.salvaged
     }
 
     /// The last complete background scrub pass, if one has finished.

@@ -177,6 +177,32 @@ pub fn decode_records(mut meta: &[u8], count: u32) -> Result<Vec<Record>, String
     Ok(out)
 }
 
+/// Best effort for a batch replay had to skip: the keys named by its records, read from the
+/// start of the meta area while each record passes its own CRC (`meta`: the meta length and
+/// record count when the batch header was readable). Informational only; never applied.
+pub fn salvage_keys(mut bytes: &[u8], meta: Option<(usize, u32)>) -> Vec<ObjectKey> {
+    let mut count = u32::MAX;
+    if let Some((len, n)) = meta {
+        bytes = &bytes[..len.min(bytes.len())];
+        count = n;
+    }
+    let mut keys: Vec<ObjectKey> = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..count {
+        let Ok(recs) = decode_records(bytes, 1) else {
+            break;
+        };
+        let (Record::State { key, .. } | Record::Remove { key, .. } | Record::Owner { key, .. }) =
+            recs.into_iter().next().expect("one record");
+        let (h, _) = RecordHeader::read_from_prefix(bytes).expect("decoded");
+        bytes = &bytes[HDR + h.payload_len.get() as usize..];
+        if seen.insert(key.clone()) {
+            keys.push(key);
+        }
+    }
+    keys
+}
+
 fn decode_one(h: &RecordHeader, p: &[u8]) -> Result<Record, String> {
     let name_len = h.name_len.get() as usize;
     if p.len() < 8 + name_len {

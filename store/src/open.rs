@@ -14,9 +14,10 @@ use crate::format::{
     round_up, Superblock, FORMAT_VERSION, NO_SEGMENT, SB_FLAG_NO_CHECKPOINTS, SEGMENTS_START_BYTES,
     SEGMENT_CHECKPOINT, SEGMENT_LOG, SUPERBLOCK_MAGIC, SUPERBLOCK_OFFSETS,
 };
-use crate::meta::Record;
+use crate::key::ObjectKey;
+use crate::meta::{ObjectMeta, Record};
 use crate::space::{SegState, Segments};
-use crate::stream::{read_region, Layout, Pos, StreamHead, StreamReader};
+use crate::stream::{read_region, Layout, Pos, Salvage, SkipKind, StreamHead, StreamReader};
 use crate::{Shared, Store, StoreConfig};
 
 /// Options for [`mkfs`].
@@ -102,6 +103,78 @@ impl Label {
     }
 }
 
+/// What a salvage open got past.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SalvageKind {
+    /// A data item of an applied batch fails its CRC: reads of it return `Corrupted`.
+    DataCrc,
+    /// A batch header fails its CRC: the batch was skipped.
+    BatchHeader,
+    /// A batch's records fail their CRC (or do not decode): the batch was skipped.
+    BatchRecords,
+}
+
+impl fmt::Display for SalvageKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SalvageKind::DataCrc => "data-crc",
+            SalvageKind::BatchHeader => "batch-header",
+            SalvageKind::BatchRecords => "batch-records",
+        })
+    }
+}
+
+/// One problem a salvage open got past ([`crate::Store::salvage_report`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Salvaged {
+    pub device: Arc<str>,
+    pub kind: SalvageKind,
+    /// Absolute byte offset: the data item, or the first skipped batch.
+    pub offset: u64,
+    /// Bytes: the data item, or the skipped stretch of log.
+    pub len: u64,
+    /// Log batch sequence of the damaged batch (the first one, for a skipped run).
+    pub batch_seq: u64,
+    /// Batches skipped (0 for a data item: its batch was applied).
+    pub batches_skipped: u64,
+    /// The CRC the format stores (item, header or records) and the one the bytes give.
+    pub expected: u32,
+    pub found: u32,
+    /// Objects affected, when known: the item's owner; for a skipped batch, the keys its
+    /// records name as far as they still read (each record has its own CRC). Such objects
+    /// read as their state before the batch (or do not exist).
+    pub keys: Vec<ObjectKey>,
+}
+
+impl fmt::Display for Salvaged {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: {} at byte offset {} ({} bytes, log batch {}",
+            self.device, self.kind, self.offset, self.len, self.batch_seq
+        )?;
+        if self.batches_skipped > 0 {
+            write!(f, ", {} batch(es) skipped", self.batches_skipped)?;
+        }
+        write!(
+            f,
+            "): expected crc32c {:#010x}, found {:#010x}; ",
+            self.expected, self.found
+        )?;
+        if self.keys.is_empty() {
+            return f.write_str("objects affected unknown");
+        }
+        f.write_str("objects ")?;
+        for (i, k) in self.keys.iter().take(8).enumerate() {
+            write!(f, "{}{k}", if i > 0 { ", " } else { "" })?;
+        }
+        if self.keys.len() > 8 {
+            write!(f, " and {} more", self.keys.len() - 8)?;
+        }
+        Ok(())
+    }
+}
+
 /// What an open found and how long it took.
 #[derive(Debug, Clone, Default)]
 pub struct OpenReport {
@@ -111,6 +184,8 @@ pub struct OpenReport {
     pub replayed_batches: u64,
     pub replayed_bytes: u64,
     pub elapsed: Duration,
+    /// Problems a salvage open got past (also [`crate::Store::salvage_report`]).
+    pub salvaged: Vec<Salvaged>,
 }
 
 impl fmt::Display for OpenReport {
@@ -124,7 +199,15 @@ impl fmt::Display for OpenReport {
             self.checkpoint_bytes as f64 / 1048576.0,
             self.replayed_batches,
             self.replayed_bytes as f64 / 1048576.0
-        )
+        )?;
+        if !self.salvaged.is_empty() {
+            write!(
+                f,
+                "; SALVAGED past {} damaged place(s) in the log",
+                self.salvaged.len()
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -335,47 +418,10 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
         next_seg: NO_SEGMENT,
     };
     let mut r = StreamReader::new(layout, sb.log_id.get(), SEGMENT_LOG, start);
-    let mut max_seq = 0u64;
-    while let Some(b) = r.next(&dev, &mut q)? {
-        let recs = b.records;
-        for rec in recs {
-            match rec {
-                Record::State { key, meta } => {
-                    max_seq = max_seq.max(meta.state_seq);
-                    let newer = index
-                        .get(&key)
-                        .is_none_or(|e| e.value().state_seq < meta.state_seq);
-                    if newer {
-                        index.insert(key, Arc::new(meta));
-                    }
-                }
-                Record::Remove { key, seq, .. } => {
-                    max_seq = max_seq.max(seq);
-                    if index.get(&key).is_some_and(|e| e.value().state_seq < seq) {
-                        index.remove(&key);
-                    }
-                }
-                Record::Owner { .. } => {}
-            }
-        }
-        report.replayed_batches += 1;
-    }
+    let (max_seq, skipped_batches) =
+        replay_log(&dev, &mut q, &mut r, &index, config.salvage, &mut report)?;
     report.replayed_bytes = r.bytes_read;
     let head = r.pos;
-    if let Some((offset, seq)) = r.acked_batch_after_end(&dev, &mut q)? {
-        return Err(StoreError::Format {
-            device: name,
-            detail: format!(
-                "log batch {} (at or after byte {} of segment {}) is unreadable, but batch {seq} at byte \
-                 {offset} was written after it had been acknowledged: acknowledged data is \
-                 corrupt. Refusing to open rather than lose it silently; rebuild this device \
-                 from its peers",
-                head.batch_seq,
-                head.off,
-                head.seg
-            ),
-        });
-    }
     tracing::debug!(?head, ?sb.replay_segment, replay_off = sb.replay_offset.get(), replay_batch = sb.replay_batch_seq.get(), ckpt = sb.ckpt_segment.get(), "replay done");
 
     let mut segs = Segments::new(layout.segments, layout.segment_bytes);
@@ -421,7 +467,10 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
     }
     segs.replay_start = sb.replay_batch_seq.get();
     segs.head = head.seg;
-    let next_op_seq = sb.next_op_seq.get().max(max_seq + 1);
+    // Skipped batches held op sequences replay never saw; hand out none of them again (a
+    // batch holds one round's transactions at most).
+    let next_op_seq = sb.next_op_seq.get().max(max_seq + 1)
+        + skipped_batches * crate::commit::ROUND_TXNS_MAX as u64;
     report.objects = index.len() as u64;
     drop(q);
 
@@ -438,6 +487,7 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
         read_queues: thread_local::ThreadLocal::new(),
         spare_queue: Mutex::new(None),
         last_scrub: Mutex::new(None),
+        salvaged: report.salvaged.clone(),
         dev,
     });
     *sh.spare_queue.lock().unwrap() = Some(sh.dev.open_queue()?);
@@ -494,4 +544,119 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
         store.scrub_stop = Some(stop_tx);
     }
     Ok((store, report))
+}
+
+/// Replay the log from the reader's start into the index. At an unreadable batch that a later
+/// batch proves acknowledged: refuse, or with `salvage` get past it and note it in the report.
+/// Returns the highest op sequence replayed and how many batches were skipped.
+fn replay_log<D: BlockDevice>(
+    dev: &D,
+    q: &mut D::Queue,
+    r: &mut StreamReader,
+    index: &SkipMap<ObjectKey, Arc<ObjectMeta>>,
+    salvage: bool,
+    report: &mut OpenReport,
+) -> Result<(u64, u64)> {
+    let name = dev.name();
+    let mut max_seq = 0u64;
+    let mut skipped_batches = 0u64;
+    loop {
+        while let Some(b) = r.next(dev, q)? {
+            replay_records(index, b.records, &mut max_seq);
+            report.replayed_batches += 1;
+        }
+        let Some((offset, seq)) = r.acked_batch_after_end(dev, q)? else {
+            // A torn tail (nothing later proves it was acknowledged): the log ends here.
+            break;
+        };
+        if !salvage {
+            let head = r.pos;
+            return Err(StoreError::Format {
+                device: name.clone(),
+                detail: format!(
+                    "log batch {} (at or after byte {} of segment {}) is unreadable, but batch \
+                     {seq} at byte {offset} was written after it had been acknowledged: \
+                     acknowledged data is corrupt. Refusing to open rather than lose it \
+                     silently; rebuild this device from its peers",
+                    head.batch_seq, head.off, head.seg
+                ),
+            });
+        }
+        match r.salvage(dev, q)? {
+            Salvage::Data(b, bad) => {
+                let batch_seq = b.header.seq.get();
+                for it in bad {
+                    report.salvaged.push(Salvaged {
+                        device: name.clone(),
+                        kind: SalvageKind::DataCrc,
+                        offset: it.item.offset.get(),
+                        len: it.item.len.get() as u64,
+                        batch_seq,
+                        batches_skipped: 0,
+                        expected: it.item.crc.get(),
+                        found: it.found,
+                        keys: vec![it.key],
+                    });
+                }
+                replay_records(index, b.records, &mut max_seq);
+                report.replayed_batches += 1;
+            }
+            Salvage::Skipped(s) => {
+                skipped_batches += s.resume_seq - s.first_seq;
+                report.salvaged.push(Salvaged {
+                    device: name.clone(),
+                    kind: match s.kind {
+                        SkipKind::Header => SalvageKind::BatchHeader,
+                        SkipKind::Records => SalvageKind::BatchRecords,
+                    },
+                    offset: s.offset,
+                    len: s.len,
+                    batch_seq: s.first_seq,
+                    batches_skipped: s.resume_seq - s.first_seq,
+                    expected: s.expected,
+                    found: s.found,
+                    keys: s.keys,
+                });
+            }
+        }
+    }
+    for p in &report.salvaged {
+        tracing::warn!(
+            device = %p.device,
+            offset = p.offset,
+            expected = format_args!("{:#010x}", p.expected),
+            found = format_args!("{:#010x}", p.found),
+            "salvage: {p}"
+        );
+    }
+    Ok((max_seq, skipped_batches))
+}
+
+/// Apply one replayed batch's records to the index: a state or remove wins over what the index
+/// holds only when its op sequence is newer.
+fn replay_records(
+    index: &SkipMap<ObjectKey, Arc<ObjectMeta>>,
+    records: Vec<Record>,
+    max_seq: &mut u64,
+) {
+    for rec in records {
+        match rec {
+            Record::State { key, meta } => {
+                *max_seq = (*max_seq).max(meta.state_seq);
+                let newer = index
+                    .get(&key)
+                    .is_none_or(|e| e.value().state_seq < meta.state_seq);
+                if newer {
+                    index.insert(key, Arc::new(meta));
+                }
+            }
+            Record::Remove { key, seq, .. } => {
+                *max_seq = (*max_seq).max(seq);
+                if index.get(&key).is_some_and(|e| e.value().state_seq < seq) {
+                    index.remove(&key);
+                }
+            }
+            Record::Owner { .. } => {}
+        }
+    }
 }

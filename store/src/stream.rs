@@ -162,8 +162,108 @@ impl StreamReader {
     }
 }
 
-/// Parse and fully verify the batch at `off` of a segment image, expecting `pos.batch_seq`
-/// from `stream_id` with a generation of at least `min_gen`.
+/// A data item of a batch whose bytes fail the CRC its owner record lists.
+#[derive(Debug, Clone)]
+pub struct BadItem {
+    pub key: crate::key::ObjectKey,
+    pub item: crate::format::ChunkRef,
+    pub found: u32,
+}
+
+/// What checking a batch at a position found.
+enum Checked {
+    /// No batch this stream expects here: no valid header, another stream, sequence or older
+    /// generation, or it does not fit the segment.
+    NoBatch,
+    /// The expected batch's header checks but its records do not (or do not decode).
+    BadRecords {
+        header: BatchHeader,
+        bytes: u64,
+        found: u32,
+    },
+    /// Header and records check; `bad` lists the data items that fail their CRC.
+    Batch(BatchRead, Vec<BadItem>),
+}
+
+/// Parse and verify the batch at `off` of a segment image, expecting `pos.batch_seq` from
+/// `stream_id` with a generation of at least `min_gen`.
+fn check_batch(
+    layout: &Layout,
+    stream_id: u64,
+    pos: Pos,
+    min_gen: u32,
+    image: &[u8],
+    off: u64,
+) -> Checked {
+    let seg_bytes = layout.segment_bytes;
+    if off + layout.block > seg_bytes {
+        return Checked::NoBatch;
+    }
+    let Ok((h, _)) = BatchHeader::read_from_prefix(&image[off as usize..]) else {
+        return Checked::NoBatch;
+    };
+    if !h.is_valid()
+        || h.stream_id.get() != stream_id
+        || h.seq.get() != pos.batch_seq
+        || h.gen.get() < min_gen
+        || !(h.data_bytes.get() as u64).is_multiple_of(layout.block)
+    {
+        return Checked::NoBatch;
+    }
+    let total = layout.batch_bytes(h.meta_bytes.get() as u64, h.data_bytes.get() as u64);
+    if off + total > seg_bytes {
+        return Checked::NoBatch;
+    }
+    let meta_start = off as usize + 64;
+    let meta = &image[meta_start..meta_start + h.meta_bytes.get() as usize];
+    let meta_crc = crc32c::crc32c(meta);
+    let bad_records = Checked::BadRecords {
+        header: h,
+        bytes: total,
+        found: meta_crc,
+    };
+    if meta_crc != h.meta_crc.get() {
+        return bad_records;
+    }
+    let Ok(records) = crate::meta::decode_records(meta, h.record_count.get()) else {
+        return bad_records;
+    };
+    // The data area is verified item by item through the owner records' CRCs.
+    let base = layout.segment_base(pos.seg);
+    let data_lo = base + off + round_up(64 + h.meta_bytes.get() as u64, layout.block);
+    let data_hi = data_lo + h.data_bytes.get() as u64;
+    let mut bad = Vec::new();
+    for r in &records {
+        if let crate::meta::Record::Owner { key, items } = r {
+            for it in items {
+                let (o, n) = (it.offset.get(), it.len.get() as u64);
+                if o < data_lo || o + n > data_hi {
+                    // Records that point outside their own batch: not a batch we can trust.
+                    return bad_records;
+                }
+                let found = crc32c::crc32c(&image[(o - base) as usize..(o - base + n) as usize]);
+                if found != it.crc.get() {
+                    bad.push(BadItem {
+                        key: key.clone(),
+                        item: *it,
+                        found,
+                    });
+                }
+            }
+        }
+    }
+    Checked::Batch(
+        BatchRead {
+            header: h,
+            records,
+            bytes: total,
+        },
+        bad,
+    )
+}
+
+/// Parse and fully verify the batch at `off` of a segment image (header, records and every
+/// data item).
 fn batch_at(
     layout: &Layout,
     stream_id: u64,
@@ -172,56 +272,9 @@ fn batch_at(
     image: &[u8],
     off: u64,
 ) -> Option<BatchRead> {
-    {
-        let seg_bytes = layout.segment_bytes;
-        if off + layout.block > seg_bytes {
-            return None;
-        }
-        let (h, _) = BatchHeader::read_from_prefix(&image[off as usize..]).ok()?;
-        let fits = |h: &BatchHeader| {
-            let total = layout.batch_bytes(h.meta_bytes.get() as u64, h.data_bytes.get() as u64);
-            (off + total <= seg_bytes).then_some(total)
-        };
-        if !h.is_valid()
-            || h.stream_id.get() != stream_id
-            || h.seq.get() != pos.batch_seq
-            || h.gen.get() < min_gen
-            || !(h.data_bytes.get() as u64).is_multiple_of(layout.block)
-        {
-            return None;
-        }
-        let total = fits(&h)?;
-        let meta_start = off as usize + 64;
-        let meta = &image[meta_start..meta_start + h.meta_bytes.get() as usize];
-        if crc32c::crc32c(meta) != h.meta_crc.get() {
-            return None;
-        }
-        let records = crate::meta::decode_records(meta, h.record_count.get()).ok()?;
-        // The data area is verified item by item through the owner records' CRCs.
-        let data_lo = layout.segment_base(pos.seg)
-            + off
-            + round_up(64 + h.meta_bytes.get() as u64, layout.block);
-        let data_hi = data_lo + h.data_bytes.get() as u64;
-        let base = layout.segment_base(pos.seg);
-        for r in &records {
-            if let crate::meta::Record::Owner { items, .. } = r {
-                for it in items {
-                    let (o, n) = (it.offset.get(), it.len.get() as u64);
-                    if o < data_lo || o + n > data_hi {
-                        return None;
-                    }
-                    let bytes = &image[(o - base) as usize..(o - base + n) as usize];
-                    if crc32c::crc32c(bytes) != it.crc.get() {
-                        return None;
-                    }
-                }
-            }
-        }
-        Some(BatchRead {
-            header: h,
-            records,
-            bytes: total,
-        })
+    match check_batch(layout, stream_id, pos, min_gen, image, off) {
+        Checked::Batch(b, bad) if bad.is_empty() => Some(b),
+        _ => None,
     }
 }
 
@@ -257,14 +310,7 @@ impl StreamReader {
             let (stream_id, pos, last_gen) = (self.stream_id, self.pos, self.last_gen);
             let image = Self::load(&mut self.image, &layout, dev, q, self.pos.seg)?;
             if let Some(b) = batch_at(&layout, stream_id, pos, last_gen, image, pos.off) {
-                self.pos.off += b.bytes;
-                self.pos.batch_seq += 1;
-                self.last_gen = b.header.gen.get();
-                self.bytes_read += b.bytes;
-                match self.visited.last_mut() {
-                    Some((s, max)) if *s == self.pos.seg => *max = b.header.seq.get(),
-                    _ => self.visited.push((self.pos.seg, b.header.seq.get())),
-                }
+                self.advance(&b);
                 return Ok(Some(b));
             }
             // The stream may continue in the next segment if the batch did not fit here.
@@ -323,6 +369,223 @@ impl StreamReader {
         }
         Ok(None)
     }
+}
+
+/// Why replay could not read an acknowledged batch (see [`StreamReader::salvage`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SkipKind {
+    /// The batch header fails its CRC (or is not this stream's expected batch).
+    Header,
+    /// The header checks; the records fail the meta CRC or do not decode.
+    Records,
+}
+
+/// Batches replay skipped: `[offset, offset + len)` held batches `first_seq..resume_seq`.
+#[derive(Debug, Clone)]
+pub struct Skip {
+    pub kind: SkipKind,
+    /// Absolute byte offset of the first skipped batch.
+    pub offset: u64,
+    pub len: u64,
+    pub first_seq: u64,
+    pub resume_seq: u64,
+    /// The CRC the header (or records) say, and what the bytes give.
+    pub expected: u32,
+    pub found: u32,
+    /// Keys named by the records that still pass their own record CRC (best effort).
+    pub keys: Vec<crate::key::ObjectKey>,
+}
+
+/// What [`StreamReader::salvage`] did about an acknowledged batch replay could not read.
+pub enum Salvage {
+    /// Header and records check, these data items do not: the batch is returned for the
+    /// caller to apply (reads of those items will report `Corrupted`).
+    Data(BatchRead, Vec<BadItem>),
+    /// The batch could not be parsed and was skipped; the reader continues after it.
+    Skipped(Skip),
+}
+
+impl StreamReader {
+    fn advance(&mut self, b: &BatchRead) {
+        self.pos.off += b.bytes;
+        self.pos.batch_seq += 1;
+        self.last_gen = b.header.gen.get();
+        self.bytes_read += b.bytes;
+        self.note_visit(self.pos.seg, b.header.seq.get());
+    }
+
+    fn note_visit(&mut self, seg: u32, seq: u64) {
+        match self.visited.iter_mut().find(|(s, _)| *s == seg) {
+            Some((_, max)) => *max = (*max).max(seq),
+            None => self.visited.push((seg, seq)),
+        }
+    }
+
+    /// After the stream ended at an acknowledged batch (see [`Self::acked_batch_after_end`]):
+    /// get past it. If its header and records check and only data items fail, return it to be
+    /// applied. Otherwise skip it: resume at the first block-aligned position after it (in
+    /// this segment, then the next one of the chain) holding a valid header of this stream
+    /// with a higher sequence and no older generation. `Err` when the chain itself cannot be
+    /// followed (an unreadable segment header).
+    pub fn salvage<D: BlockDevice>(&mut self, dev: &D, q: &mut D::Queue) -> Result<Salvage> {
+        let layout = self.layout;
+        let (pos, last_gen, stream_id) = (self.pos, self.last_gen, self.stream_id);
+        if pos.off == 0 || pos.next_seg as u64 >= layout.segments as u64 {
+            return Err(self.chain_broken(dev, pos.seg));
+        }
+        let image = Self::load(&mut self.image, &layout, dev, q, pos.seg)?;
+        let at = layout.segment_base(pos.seg) + pos.off;
+        let (kind, expected, found, from, meta_len) =
+            match check_batch(&layout, stream_id, pos, last_gen, image, pos.off) {
+                Checked::Batch(b, bad) => {
+                    self.advance(&b);
+                    return Ok(Salvage::Data(b, bad));
+                }
+                Checked::BadRecords {
+                    header,
+                    bytes,
+                    found,
+                } => (
+                    SkipKind::Records,
+                    header.meta_crc.get(),
+                    found,
+                    pos.off + bytes,
+                    Some((header.meta_bytes.get() as usize, header.record_count.get())),
+                ),
+                Checked::NoBatch => {
+                    // (No room for a header at all when the segment is full up to `pos.off`.)
+                    let raw = image.get(pos.off as usize..pos.off as usize + 64);
+                    let (stored, computed) = raw.map_or((0, 0), |raw| {
+                        let stored = u32::from_le_bytes(raw[60..64].try_into().unwrap());
+                        (stored, crc32c::crc32c(&raw[..60]))
+                    });
+                    (
+                        SkipKind::Header,
+                        stored,
+                        computed,
+                        pos.off + layout.block,
+                        None,
+                    )
+                }
+            };
+        let resume = self.find_resume(dev, q, from)?;
+        let image = Self::load(&mut self.image, &layout, dev, q, pos.seg)?;
+        let end = match resume {
+            Some((p, _)) if p.seg == pos.seg => p.off,
+            _ => layout.segment_bytes,
+        };
+        let records = image
+            .get(pos.off as usize + 64..end as usize)
+            .unwrap_or_default();
+        let keys = crate::meta::salvage_keys(records, meta_len);
+        let Some((next, len)) = resume else {
+            // Nothing to resume at: the proof is from an older generation, or the chain's next
+            // segment does not continue this stream.
+            return Err(self.chain_broken(dev, pos.seg));
+        };
+        let len = len - pos.off;
+        // The segment holds the skipped batches: it stays the log's until a checkpoint passes.
+        self.note_visit(pos.seg, next.batch_seq - 1);
+        self.pos = next;
+        Ok(Salvage::Skipped(Skip {
+            kind,
+            offset: at,
+            len,
+            first_seq: pos.batch_seq,
+            resume_seq: next.batch_seq,
+            expected,
+            found,
+            keys,
+        }))
+    }
+
+    /// Where replay resumes after a skipped batch, and the skipped length counted from the
+    /// start of the current segment (so `len - pos.off` is what was skipped).
+    fn find_resume<D: BlockDevice>(
+        &mut self,
+        dev: &D,
+        q: &mut D::Queue,
+        from: u64,
+    ) -> Result<Option<(Pos, u64)>> {
+        let layout = self.layout;
+        let pos = self.pos;
+        let image = Self::load(&mut self.image, &layout, dev, q, pos.seg)?;
+        let (sid, gen) = (self.stream_id, self.last_gen);
+        if let Some((off, seq)) = first_header_after(&layout, sid, gen, image, from, pos.batch_seq)
+        {
+            let next = Pos {
+                off,
+                batch_seq: seq,
+                ..pos
+            };
+            return Ok(Some((next, off)));
+        }
+        let seg = pos.next_seg;
+        let image = Self::load(&mut self.image, &layout, dev, q, seg)?;
+        let Some(h) = parse_segment_header(image) else {
+            return Err(self.chain_broken(dev, seg));
+        };
+        if h.stream_id.get() != self.stream_id
+            || h.kind.get() != self.kind
+            || h.segment.get() != seg
+            || h.segment_seq.get() != pos.seg_seq + 1
+            || h.first_batch_seq.get() < pos.batch_seq
+        {
+            // The next segment was never opened by this stream: nothing to resume at.
+            return Ok(None);
+        }
+        let found = first_header_after(&layout, sid, gen, image, layout.block, pos.batch_seq);
+        let Some((off, seq)) = found else {
+            return Ok(None);
+        };
+        let next = Pos {
+            seg,
+            off,
+            seg_seq: pos.seg_seq + 1,
+            batch_seq: seq,
+            next_seg: h.next_segment.get(),
+        };
+        Ok(Some((next, layout.segment_bytes + off - layout.block)))
+    }
+
+    fn chain_broken<D: BlockDevice>(&self, dev: &D, seg: u32) -> StoreError {
+        StoreError::Format {
+            device: dev.name().clone(),
+            detail: format!(
+                "log batch {} (at or after byte {} of segment {}) is unreadable and was \
+                 acknowledged, and salvage cannot follow the log past it (the header of \
+                 segment {seg} is unreadable or no valid batch follows); rebuild this device \
+                 from its peers",
+                self.pos.batch_seq, self.pos.off, self.pos.seg
+            ),
+        }
+    }
+}
+
+/// The first block-aligned offset from `from` holding a valid batch header of `stream_id` with
+/// a sequence above `missing` and a generation of at least `min_gen`.
+fn first_header_after(
+    layout: &Layout,
+    stream_id: u64,
+    min_gen: u32,
+    image: &[u8],
+    from: u64,
+    missing: u64,
+) -> Option<(u64, u64)> {
+    let mut off = round_up(from, layout.block);
+    while off + 64 <= layout.segment_bytes {
+        if let Ok((h, _)) = BatchHeader::read_from_prefix(&image[off as usize..]) {
+            if h.is_valid()
+                && h.stream_id.get() == stream_id
+                && h.seq.get() > missing
+                && h.gen.get() >= min_gen
+            {
+                return Some((off, h.seq.get()));
+            }
+        }
+        off += layout.block;
+    }
+    None
 }
 
 /// Where the next batch of a stream goes, and the segment header to write first if the batch
