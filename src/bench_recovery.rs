@@ -243,7 +243,8 @@ fn bench(
     );
     let stop = AtomicBool::new(false);
     let recording = AtomicBool::new(true);
-    let hist = Mutex::new(Histogram::<u64>::new_with_bounds(1, 600_000_000, 3)?);
+    // (completion time, µs) of each client read while recording.
+    let hist: Mutex<Vec<(Instant, u64)>> = Mutex::new(Vec::new());
     let errors = std::sync::atomic::AtomicU64::new(0);
     std::thread::scope(|s| {
         for t in 0..a.load_depth {
@@ -264,7 +265,7 @@ fn bench(
         }
         std::thread::sleep(Duration::from_secs(a.load_seconds));
         recording.store(false, Relaxed);
-        out.client_baseline = take(&hist, &errors);
+        out.client_baseline = take(&hist, &errors, None);
 
         // 3. Recovery under load: latencies from mark-out to done.
         let victim = a.nodes - 1;
@@ -272,16 +273,19 @@ fn bench(
             a,
             format!("killing node {victim} under load, marking it out…"),
         );
+        let mut end = None;
         match lose_node_recording(lc, c, victim, &recording) {
-            Ok((bytes, secs)) => {
+            Ok((bytes, secs, t)) => {
                 out.loaded_rebuilt_bytes = bytes;
                 out.loaded_seconds = secs;
                 out.loaded_rebuild_mb_s = mb(bytes as f64) / secs;
+                end = Some(t + Duration::from_secs_f64(secs));
             }
             Err(e) => say(a, format!("recovery under load failed: {e}")),
         }
         recording.store(false, Relaxed);
-        out.client_during_recovery = take(&hist, &errors);
+        // Only reads that finished while the rebuild ran (not during the status poll's lag).
+        out.client_during_recovery = take(&hist, &errors, end);
         stop.store(true, Relaxed);
     });
     out.p99_ratio = out.client_during_recovery.p99_ms / out.client_baseline.p99_ms;
@@ -326,7 +330,7 @@ fn load(
     seed: u64,
     stop: &AtomicBool,
     recording: &AtomicBool,
-    hist: &Mutex<Histogram<u64>>,
+    hist: &Mutex<Vec<(Instant, u64)>>,
     errors: &std::sync::atomic::AtomicU64,
 ) {
     let mut rng = rand::rngs::SmallRng::seed_from_u64(seed ^ 0xbe7c);
@@ -339,7 +343,7 @@ fn load(
         if recording.load(Relaxed) {
             match r {
                 Ok(_) => {
-                    let _ = hist.lock().unwrap().record(us.max(1));
+                    hist.lock().unwrap().push((Instant::now(), us.max(1)));
                 }
                 Err(e) => {
                     if errors.fetch_add(1, Relaxed) < ERRORS_SHOWN_MAX {
@@ -351,8 +355,18 @@ fn load(
     }
 }
 
-fn take(h: &Mutex<Histogram<u64>>, errors: &std::sync::atomic::AtomicU64) -> Latency {
-    let mut h = h.lock().unwrap();
+/// The latencies recorded (those that completed by `until`, when given), then clear them.
+fn take(
+    samples: &Mutex<Vec<(Instant, u64)>>,
+    errors: &std::sync::atomic::AtomicU64,
+    until: Option<Instant>,
+) -> Latency {
+    let mut h = Histogram::<u64>::new_with_bounds(1, 600_000_000, 3).expect("bounds");
+    for (at, us) in std::mem::take(&mut *samples.lock().unwrap()) {
+        if until.is_none_or(|u| at <= u) {
+            let _ = h.record(us);
+        }
+    }
     let l = Latency {
         ops: h.len(),
         errors: errors.swap(0, Relaxed),
@@ -418,6 +432,21 @@ fn kill_and_mark_out(
     Ok((before, Instant::now()))
 }
 
+/// Seconds from `t` (the mark-out) to the last object rebuild the nodes report; the status
+/// poll's own time when they report none after `t`.
+fn rebuild_secs(t: Instant, after: &RecoveryStats, polled: Instant) -> f64 {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let t_ms = now_ms.saturating_sub(t.elapsed().as_millis() as u64);
+    let secs = if after.last_done_unix_ms > t_ms {
+        (after.last_done_unix_ms - t_ms) as f64 / 1e3
+    } else {
+        polled.duration_since(t).as_secs_f64()
+    };
+    secs.max(1e-3)
+}
+
 /// Kill a node, mark it out, wait for the rebuild: (shard bytes rebuilt, seconds, stats).
 fn lose_node(
     lc: &LocalCluster,
@@ -426,7 +455,7 @@ fn lose_node(
 ) -> Result<(u64, f64, RecoveryStats), Box<dyn std::error::Error>> {
     let (before, t) = kill_and_mark_out(lc, c, victim)?;
     let (after, end) = wait_idle(c, |s| s.backfill_bytes > before.backfill_bytes)?;
-    let secs = end.duration_since(t).as_secs_f64().max(1e-3);
+    let secs = rebuild_secs(t, &after, end);
     Ok((after.backfill_bytes - before.backfill_bytes, secs, after))
 }
 
@@ -435,14 +464,14 @@ fn lose_node_recording(
     c: &Client,
     victim: u32,
     recording: &AtomicBool,
-) -> Result<(u64, f64), Box<dyn std::error::Error>> {
+) -> Result<(u64, f64, Instant), Box<dyn std::error::Error>> {
     let (before, t) = kill_and_mark_out(lc, c, victim)?;
     recording.store(true, Relaxed);
     let after = wait_idle(c, |s| s.backfill_bytes > before.backfill_bytes);
     recording.store(false, Relaxed);
     let (after, end) = after?;
-    let secs = end.duration_since(t).as_secs_f64().max(1e-3);
-    Ok((after.backfill_bytes - before.backfill_bytes, secs))
+    let secs = rebuild_secs(t, &after, end);
+    Ok((after.backfill_bytes - before.backfill_bytes, secs, t))
 }
 
 /// A 4 KiB-aligned buffer for O_DIRECT IO.
