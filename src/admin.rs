@@ -1,5 +1,6 @@
 //! Admin requests a client sends straight to one node (message types 50..=59): perf dump,
-//! perf reset, slow ops; and the `nvstore perf` / `nvstore slow-ops` commands.
+//! perf reset, slow ops, runtime config; and the `nvstore perf` / `slow-ops` / `config`
+//! commands.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -17,6 +18,16 @@ const ADMIN_TIMEOUT: Duration = Duration::from_secs(10);
 impl Client {
     /// One admin request to `node`; its JSON reply.
     fn admin(&self, node: u32, msg_type: u16) -> Result<serde_json::Value> {
+        self.admin_with(node, msg_type, |_| {})
+    }
+
+    /// One admin request to `node` whose body `fill` extends after the epoch.
+    fn admin_with(
+        &self,
+        node: u32,
+        msg_type: u16,
+        fill: impl FnOnce(&mut Enc),
+    ) -> Result<serde_json::Value> {
         let map = self.map();
         let n = map.nodes.get(&node).ok_or_else(|| {
             let ids: Vec<u32> = map.nodes.keys().copied().collect();
@@ -35,10 +46,9 @@ impl Client {
             ));
         }
         let c = self.node_conn(node, n.addr)?;
-        let reply = c.request(
-            OutMessage::new(msg_type, Enc::new(map.epoch).finish()),
-            ADMIN_TIMEOUT,
-        )?;
+        let mut e = Enc::new(map.epoch);
+        fill(&mut e);
+        let reply = c.request(OutMessage::new(msg_type, e.finish()), ADMIN_TIMEOUT)?;
         let (_, body) = wire::parse_reply(&reply.payload)?;
         serde_json::from_slice(body).map_err(|e| Error::Malformed(format!("admin reply: {e}")))
     }
@@ -57,6 +67,43 @@ impl Client {
     /// A node's slow ops: in flight over the threshold, and the recent history.
     pub fn slow_ops(&self, node: u32) -> Result<serde_json::Value> {
         self.admin(node, wire::MSG_ADMIN_SLOW_OPS)
+    }
+
+    /// A node's runtime settings, after setting `key` to `value` when given (the node
+    /// answers `Invalid` naming what it expected; nothing is written to its config file).
+    pub fn config(&self, node: u32, set: Option<(&str, &str)>) -> Result<serde_json::Value> {
+        let (k, v) = set.unwrap_or(("", ""));
+        self.admin_with(node, wire::MSG_ADMIN_CONFIG, |e| {
+            e.bytes(k.as_bytes()).bytes(v.as_bytes());
+        })
+    }
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Print a node's runtime settings as JSON
+    Get(NodeArg),
+    /// Change one runtime setting until the node restarts: read_coalescing (true|false),
+    /// slow_op_ms (milliseconds)
+    Set {
+        /// Node id
+        node: u32,
+        key: String,
+        value: String,
+        #[command(flatten)]
+        conf: crate::cluster_cmd::ConfArg,
+    },
+}
+
+pub fn run_config(cmd: ConfigCommand) -> Result<ExitCode> {
+    match cmd {
+        ConfigCommand::Get(a) => print(&Client::from_config(&a.conf.conf)?.config(a.node, None)?),
+        ConfigCommand::Set {
+            node,
+            key,
+            value,
+            conf,
+        } => print(&Client::from_config(&conf.conf)?.config(node, Some((&key, &value)))?),
     }
 }
 

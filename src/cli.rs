@@ -78,6 +78,11 @@ pub enum Command {
     },
     /// Dump a node's slow ops (in flight and recent history) as JSON: slow-ops NODE
     SlowOps(crate::admin::NodeArg),
+    /// A running node's runtime settings: config get NODE | config set NODE KEY VALUE
+    Config {
+        #[command(subcommand)]
+        cmd: crate::admin::ConfigCommand,
+    },
     /// Start an 8-node local cluster, write, kill nodes, read degraded, heal, clean up
     Demo(crate::demo::DemoArgs),
     /// Scrub: start a pass now, show counters, locate a shard on its device
@@ -161,6 +166,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
         Command::Status { json, conf } => crate::cluster_cmd::run_status(&conf.conf, json)?,
         Command::Perf { cmd } => crate::admin::run_perf(cmd)?,
         Command::SlowOps(a) => crate::admin::run_slow_ops(a)?,
+        Command::Config { cmd } => crate::admin::run_config(cmd)?,
         Command::Demo(a) => crate::demo::run(a)?,
         Command::Scrub { cmd } => crate::scrub_cmd::run(cmd)?,
     })

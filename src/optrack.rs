@@ -219,7 +219,8 @@ pub struct SlowOpsReport {
 
 /// A node's op tracker.
 pub struct OpTracker {
-    threshold: Duration,
+    /// The slow-op threshold in nanoseconds (`slow_op_ms`; `nvstore config set` changes it).
+    threshold_ns: AtomicU64,
     next_id: AtomicU64,
     inflight: [Mutex<HashMap<u64, Arc<TrackedOp>>>; INFLIGHT_SHARDS],
     history: Mutex<VecDeque<SlowOp>>,
@@ -267,7 +268,7 @@ impl Drop for CurrentGuard {
 impl OpTracker {
     pub fn new(threshold: Duration) -> OpTracker {
         OpTracker {
-            threshold,
+            threshold_ns: AtomicU64::new(threshold.as_nanos() as u64),
             next_id: AtomicU64::new(1),
             inflight: std::array::from_fn(|_| Mutex::new(HashMap::new())),
             history: Mutex::new(VecDeque::with_capacity(SLOW_HISTORY_MAX)),
@@ -278,7 +279,11 @@ impl OpTracker {
     }
 
     pub fn threshold(&self) -> Duration {
-        self.threshold
+        Duration::from_nanos(self.threshold_ns.load(Relaxed))
+    }
+
+    pub fn set_threshold(&self, d: Duration) {
+        self.threshold_ns.store(d.as_nanos() as u64, Relaxed);
     }
 
     /// Start tracking an op received now; `throttled` is how long its connection waited for
@@ -323,7 +328,7 @@ impl OpTracker {
             .remove(&op.id);
         self.ops_total.fetch_add(1, Relaxed);
         let d = op.age();
-        if d < self.threshold {
+        if d < self.threshold() {
             return;
         }
         self.slow_total.fetch_add(1, Relaxed);
@@ -351,7 +356,7 @@ impl OpTracker {
                 m.lock()
                     .unwrap()
                     .values()
-                    .filter(|o| o.age() >= self.threshold)
+                    .filter(|o| o.age() >= self.threshold())
                     .cloned()
                     .collect::<Vec<_>>()
             })
@@ -363,7 +368,7 @@ impl OpTracker {
     pub fn report(&self, node: u32) -> SlowOpsReport {
         SlowOpsReport {
             node,
-            threshold_ms: self.threshold.as_millis() as u64,
+            threshold_ms: self.threshold().as_millis() as u64,
             slow_total: self.slow_total.load(Relaxed),
             in_flight: self
                 .slow_in_flight()

@@ -41,6 +41,8 @@ pub const MSG_RECOVERY_WRITE: u16 = 44;
 pub const MSG_ADMIN_PERF_DUMP: u16 = 50;
 pub const MSG_ADMIN_PERF_RESET: u16 = 51;
 pub const MSG_ADMIN_SLOW_OPS: u16 = 52;
+/// Runtime settings: get them all, or set one (key and value strings) and get them all.
+pub const MSG_ADMIN_CONFIG: u16 = 53;
 /// Replace a shard at a version with reconstructed bytes (scrub and read repair).
 pub const MSG_SHARD_REPAIR: u16 = 70;
 /// Scrub control: start a pass now, or report the node's scrub state (JSON).

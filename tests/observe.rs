@@ -556,6 +556,60 @@ fn counters_slow_ops_metrics_and_thread_names() {
     assert_eq!(v["node"], 2);
     raw_admin_requests_get_clear_errors(&h);
     assert!(c.perf_dump(1).is_ok(), "the node keeps serving");
+    runtime_config_changes_a_running_node(&h);
+}
+
+/// `nvstore config get|set`: the setting changes on the running node, and what it governs
+/// follows (the slow-op threshold in the slow-ops report); bad keys and values are refused
+/// with what was expected, changing nothing.
+fn runtime_config_changes_a_running_node(h: &Harness) {
+    let c = &h.client;
+    let v = c.config(3, None).unwrap();
+    assert_eq!(v["node"], 3);
+    assert_eq!(v["read_coalescing"], true, "{v}");
+    assert_eq!(
+        v["slow_op_ms"], 0,
+        "this cluster counts every op as slow: {v}"
+    );
+    let v = c.config(3, Some(("read_coalescing", "false"))).unwrap();
+    assert_eq!(v["read_coalescing"], false, "{v}");
+    let v = c.config(3, Some(("slow_op_ms", "2500"))).unwrap();
+    assert_eq!(v["slow_op_ms"], 2500, "{v}");
+    assert_eq!(c.slow_ops(3).unwrap()["threshold_ms"], 2500);
+    let e = c
+        .config(3, Some(("cache_bytes", "1")))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("no runtime setting") && e.contains("read_coalescing"),
+        "{e}"
+    );
+    let e = c
+        .config(3, Some(("read_coalescing", "maybe")))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("expected true or false"), "{e}");
+    let e = c
+        .config(3, Some(("slow_op_ms", "-4")))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("expected milliseconds"), "{e}");
+    let v = c.config(3, None).unwrap();
+    assert_eq!(
+        (&v["read_coalescing"], &v["slow_op_ms"]),
+        (&false.into(), &2500.into())
+    );
+    // The CLI: set then get.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_nvstore"))
+        .args(["config", "set", "3", "read_coalescing", "true", "--conf"])
+        .arg(h.lc.client_config())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["read_coalescing"], true, "{v}");
+    // Other nodes are untouched.
+    assert_eq!(c.config(2, None).unwrap()["slow_op_ms"], 0);
 }
 
 /// Admin messages straight to a node with bodies the client would never send.

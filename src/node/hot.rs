@@ -27,7 +27,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{DefaultHasher, Hash, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -501,7 +501,8 @@ pub struct HotCounters {
 
 /// The node's hot-object state.
 pub struct Hot {
-    pub enabled: bool,
+    /// Read coalescing and the cache (`read_coalescing`; `nvstore config set` changes it).
+    enabled: AtomicBool,
     pub inflight: Arc<Inflight>,
     pub topk: Mutex<TopK>,
     pub cache: Mutex<DataCache>,
@@ -511,12 +512,22 @@ pub struct Hot {
 impl Hot {
     pub fn new(enabled: bool, cache_bytes: u64) -> Hot {
         Hot {
-            enabled,
+            enabled: AtomicBool::new(enabled),
             inflight: Arc::new(Inflight::default()),
             topk: Mutex::new(TopK::new(Instant::now())),
             cache: Mutex::new(DataCache::new(if enabled { cache_bytes } else { 0 })),
             counters: HotCounters::default(),
         }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.enabled.load(Relaxed)
+    }
+
+    /// Switch coalescing and the cache on (with `cache_bytes`) or off (the cache is emptied).
+    pub fn set_enabled(&self, on: bool, cache_bytes: u64) {
+        self.enabled.store(on, Relaxed);
+        *self.cache.lock().unwrap() = DataCache::new(if on { cache_bytes } else { 0 });
     }
 
     /// A write through this primary: drop the object's cached bytes.
@@ -616,7 +627,7 @@ impl Node {
             op.event(Ev::Started, NO_SHARD);
         }
         match read {
-            Some((pool, name)) if self.hot.enabled => {
+            Some((pool, name)) if self.hot.enabled() => {
                 let (mut msgs, ops): (Vec<Incoming>, Vec<Arc<TrackedOp>>) =
                     jobs.into_iter().unzip();
                 // The batch's shard requests are recorded on the op that leads it.

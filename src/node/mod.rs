@@ -159,7 +159,8 @@ impl Dispatcher for NodeDispatcher {
                     wire::MSG_CLIENT_LIST => node.list(&msg),
                     wire::MSG_ADMIN_PERF_DUMP
                     | wire::MSG_ADMIN_PERF_RESET
-                    | wire::MSG_ADMIN_SLOW_OPS => node.admin(&msg),
+                    | wire::MSG_ADMIN_SLOW_OPS
+                    | wire::MSG_ADMIN_CONFIG => node.admin(&msg),
                     wire::MSG_NODE_SCRUB => node.scrub_control(&msg),
                     wire::MSG_NODE_LOCATE => node.locate(&msg),
                     _ => Err(Error::Malformed(format!("unknown message type {t}"))),
@@ -277,7 +278,7 @@ impl Node {
                     let mut pgs = self.pgs.lock().unwrap();
                     let slot = pgs.get_mut(&key).expect("queued PG has a slot");
                     match slot.queue.pop_front() {
-                        Some(j) if self.hot.enabled => {
+                        Some(j) if self.hot.enabled() => {
                             (hot::take_batch(j, &mut slot.queue), slot.cache.clone())
                         }
                         Some(j) => (vec![j], slot.cache.clone()),

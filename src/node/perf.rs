@@ -271,12 +271,25 @@ impl Node {
         crate::prom::render(&self.perf_samples().0, &[("node", self.id.to_string())])
     }
 
-    /// `MSG_ADMIN_*`: perf dump, perf reset, slow ops (JSON replies).
+    /// `MSG_ADMIN_*`: perf dump, perf reset, slow ops, runtime config (JSON replies).
     pub(super) fn admin(&self, msg: &Incoming) -> Result<Vec<u8>> {
         let mut d = Dec::new(msg.payload());
         let _epoch = d.u64()?;
+        let set = if msg.msg_type() == wire::MSG_ADMIN_CONFIG {
+            let key = String::from_utf8_lossy(d.bytes()?).into_owned();
+            let value = String::from_utf8_lossy(d.bytes()?).into_owned();
+            (!key.is_empty()).then_some((key, value))
+        } else {
+            None
+        };
         d.end()?;
         let v = match msg.msg_type() {
+            wire::MSG_ADMIN_CONFIG => {
+                if let Some((k, v)) = &set {
+                    self.set_runtime(k, v)?;
+                }
+                self.runtime_config()
+            }
             wire::MSG_ADMIN_PERF_DUMP => self.perf_dump(),
             wire::MSG_ADMIN_PERF_RESET => {
                 self.perf_reset();
@@ -289,6 +302,52 @@ impl Node {
         let body = serde_json::to_vec(&v)
             .map_err(|e| Error::remote(Status::Internal, format!("to JSON: {e}")))?;
         Ok(wire::reply_ok(self.epoch(), &body))
+    }
+
+    /// The settings `nvstore config set` can change on a running node (not written back to
+    /// its config file: a restart returns to the file's values).
+    fn runtime_config(&self) -> Value {
+        json!({
+            "node": self.id,
+            "read_coalescing": self.hot.enabled(),
+            "slow_op_ms": self.perf.ops.threshold().as_millis() as u64,
+        })
+    }
+
+    fn set_runtime(&self, key: &str, value: &str) -> Result<()> {
+        let bad = |want: &str| {
+            Error::remote(
+                Status::Invalid,
+                format!("{key}: expected {want}, got {value:?}"),
+            )
+        };
+        match key {
+            "read_coalescing" => {
+                let on = match value {
+                    "true" | "on" | "1" => true,
+                    "false" | "off" | "0" => false,
+                    _ => return Err(bad("true or false")),
+                };
+                self.hot.set_enabled(on, self.cfg.hot_cache_bytes);
+            }
+            "slow_op_ms" => {
+                let ms: u64 = value
+                    .parse()
+                    .map_err(|_| bad("milliseconds (an integer)"))?;
+                self.perf.ops.set_threshold(Duration::from_millis(ms));
+            }
+            _ => {
+                return Err(Error::remote(
+                    Status::Invalid,
+                    format!(
+                        "no runtime setting {key:?}; settable: read_coalescing, slow_op_ms \
+                         (others need node.toml and a restart)"
+                    ),
+                ))
+            }
+        }
+        tracing::info!("runtime config: {key} = {value}");
+        Ok(())
     }
 
     /// Serve the Prometheus page when `metrics_listen` is set.
