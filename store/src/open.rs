@@ -422,6 +422,18 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
         replay_log(&dev, &mut q, &mut r, &index, config.salvage, &mut report)?;
     report.replayed_bytes = r.bytes_read;
     let head = r.pos;
+    if head.off > 0 && head.next_seg as u64 >= layout.segments as u64 {
+        // Replay starts inside a segment whose header does not check, so the log cannot be
+        // followed (nor appended to) from here.
+        return Err(StoreError::Format {
+            device: name,
+            detail: format!(
+                "the log segment {} where replay starts (byte {} in it, batch {}) has no valid \
+                 segment header; the log cannot be followed. Rebuild this device from its peers",
+                head.seg, head.off, head.batch_seq
+            ),
+        });
+    }
     tracing::debug!(?head, ?sb.replay_segment, replay_off = sb.replay_offset.get(), replay_batch = sb.replay_batch_seq.get(), ckpt = sb.ckpt_segment.get(), "replay done");
 
     let mut segs = Segments::new(layout.segments, layout.segment_bytes);
