@@ -195,6 +195,37 @@ fn a_node_marked_out_is_rebuilt_on_new_members_and_redundancy_is_restored() {
     );
 }
 
+/// Stop `victim`, write 10 objects (contents seeded from `seed`), start it again: exactly
+/// those are rebuilt on it from the PG logs (delta), none by a full scan. Returns them.
+fn outage_caught_up_by_delta(
+    h: &Harness,
+    pool: u64,
+    victim: u32,
+    seed: u64,
+) -> Vec<(String, Vec<u8>)> {
+    let c = &h.client;
+    h.lc.stop_member(&format!("node.{victim}"), true).unwrap();
+    wait_up(c, victim, false);
+    let missed = 10;
+    let objects: Vec<(String, Vec<u8>)> = (0..missed)
+        .map(|i| {
+            let (n, d) = (
+                format!("meanwhile-{i}"),
+                bytes(seed + i as u64, size_of(i + 1)),
+            );
+            c.put(pool, n.as_bytes(), &d).unwrap();
+            (n, d)
+        })
+        .collect();
+    h.lc.start_member(&format!("node.{victim}")).unwrap();
+    wait_up(c, victim, true);
+    let s = wait_recovered(c, |s| s.recovery.delta_objects >= missed as u64);
+    assert_eq!(s.recovery.delta_objects, missed as u64, "{:?}", s.recovery);
+    assert_eq!(s.recovery.backfill_objects, 0, "{:?}", s.recovery);
+    assert_eq!(s.recovery.failures, 0, "{:?}", s.recovery);
+    objects
+}
+
 /// A node stopped while objects are written and started again is caught up from the PG logs:
 /// exactly the objects written meanwhile are rebuilt on it, none by a full scan; then two other
 /// nodes die and everything reads back from the caught-up node and one other.
@@ -214,24 +245,7 @@ fn a_node_back_within_the_log_window_is_caught_up_by_delta() {
     // Every PG's first pass has run (the members carry their marks).
     wait_recovered(c, |_| true);
 
-    let victim = 4;
-    h.lc.stop_member(&format!("node.{victim}"), true).unwrap();
-    wait_up(c, victim, false);
-    let missed = 10;
-    for i in 0..missed {
-        let (n, d) = (
-            format!("meanwhile-{i}"),
-            bytes(500 + i as u64, size_of(i + 1)),
-        );
-        c.put(pool, n.as_bytes(), &d).unwrap();
-        objects.push((n, d));
-    }
-    h.lc.start_member(&format!("node.{victim}")).unwrap();
-    wait_up(c, victim, true);
-    let s = wait_recovered(c, |s| s.recovery.delta_objects >= missed as u64);
-    assert_eq!(s.recovery.delta_objects, missed as u64, "{:?}", s.recovery);
-    assert_eq!(s.recovery.backfill_objects, 0, "{:?}", s.recovery);
-    assert_eq!(s.recovery.failures, 0, "{:?}", s.recovery);
+    objects.extend(outage_caught_up_by_delta(&h, pool, 4, 500));
 
     // Only the caught-up node and node 1 remain: every object must come from them.
     for id in [2, 3] {
@@ -273,23 +287,7 @@ fn a_node_down_after_a_long_busy_spell_is_still_caught_up_by_delta() {
     assert!(refreshed > 0, "marks were advanced between passes");
 
     let victim = 3;
-    h.lc.stop_member(&format!("node.{victim}"), true).unwrap();
-    wait_up(c, victim, false);
-    let missed = 10;
-    let mut objects = Vec::new();
-    for i in 0..missed {
-        let (n, d) = (
-            format!("meanwhile-{i}"),
-            bytes(900 + i as u64, size_of(i + 2)),
-        );
-        c.put(pool, n.as_bytes(), &d).unwrap();
-        objects.push((n, d));
-    }
-    h.lc.start_member(&format!("node.{victim}")).unwrap();
-    wait_up(c, victim, true);
-    let s = wait_recovered(c, |s| s.recovery.delta_objects >= missed as u64);
-    assert_eq!(s.recovery.delta_objects, missed as u64, "{:?}", s.recovery);
-    assert_eq!(s.recovery.backfill_objects, 0, "{:?}", s.recovery);
+    let objects = outage_caught_up_by_delta(&h, pool, victim, 900);
     for id in [1, 2].into_iter().filter(|id| *id != victim) {
         h.lc.stop_member(&format!("node.{id}"), true).unwrap();
         wait_up(c, id, false);
