@@ -42,20 +42,9 @@ fn cluster() -> Harness {
 }
 
 /// Flip one random bit inside the data of `name`'s shard `slot` on the node holding it.
-/// Returns the node, or `None` when that shard holds no data.
+/// Returns the node, or `None` when that slot has no member or its shard holds no data.
 fn flip(c: &Client, pool: u64, name: &str, slot: usize, rng: &mut impl Rng) -> Option<u32> {
-    let map = c.map();
-    let p = &map.pools[&pool];
-    let node = Acting::compute(&map, p, pg_of(p, name.as_bytes())).members[slot]?;
-    let body = c
-        .node_call(
-            node,
-            wire::MSG_NODE_LOCATE,
-            &locate_request(pool, name.as_bytes(), slot as u8),
-        )
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
-    let extents: Vec<(u64, u64)> = serde_json::from_value(v["extents"].clone()).unwrap();
+    let (node, device, extents) = locate(c, pool, name, slot)?;
     if extents.is_empty() {
         return None;
     }
@@ -64,7 +53,7 @@ fn flip(c: &Client, pool: u64, name: &str, slot: usize, rng: &mut impl Rng) -> O
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
-        .open(v["device"].as_str().unwrap())
+        .open(device)
         .unwrap();
     let mut b = [0u8; 1];
     f.read_exact_at(&mut b, at).unwrap();
@@ -439,11 +428,15 @@ fn zero_parity(h: &Harness, pool: u64, name: &str) -> u64 {
     len.div_ceil(u)
 }
 
-/// `name`'s shard extents on the node holding `slot` (device path, extents).
-fn locate(c: &Client, pool: u64, name: &str, slot: usize) -> (String, Vec<(u64, u64)>) {
+/// (node, device path, extents on it) of a shard.
+type Located = (u32, String, Vec<(u64, u64)>);
+
+/// `name`'s shard extents on the node holding `slot`: (node, device path, extents); `None`
+/// when the slot has no member.
+fn locate(c: &Client, pool: u64, name: &str, slot: usize) -> Option<Located> {
     let map = c.map();
     let p = &map.pools[&pool];
-    let node = Acting::compute(&map, p, pg_of(p, name.as_bytes())).members[slot].unwrap();
+    let node = Acting::compute(&map, p, pg_of(p, name.as_bytes())).members[slot]?;
     let body = c
         .node_call(
             node,
@@ -453,7 +446,7 @@ fn locate(c: &Client, pool: u64, name: &str, slot: usize) -> (String, Vec<(u64, 
         .unwrap();
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
     let extents = serde_json::from_value(v["extents"].clone()).unwrap();
-    (v["device"].as_str().unwrap().to_string(), extents)
+    Some((node, v["device"].as_str().unwrap().to_string(), extents))
 }
 
 fn flip_at(device: &str, at: u64, bit: u8) {
@@ -541,8 +534,8 @@ fn a_node_whose_log_rotted_while_down_opens_and_gets_repaired() {
             .any(|(n, _)| slot_on(n).is_some()),
         "later writes on node {node}"
     );
-    let (device, ext0) = locate(c, pool, &objects[o1].0, s1);
-    let (_, ext2) = locate(c, pool, &objects[o2].0, s2);
+    let (_, device, ext0) = locate(c, pool, &objects[o1].0, s1).unwrap();
+    let (_, _, ext2) = locate(c, pool, &objects[o2].0, s2).unwrap();
     let member = format!("node.{node}");
     let before = totals(c);
     h.lc.stop_member(&member, true).unwrap();
