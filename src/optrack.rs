@@ -122,13 +122,19 @@ pub struct TrackedOp {
 }
 
 impl TrackedOp {
+    /// Records `ev` now. The clock is read under the timeline's lock: sub-op replies arrive
+    /// on several threads at once, and a timeline must stay in time order.
     pub fn event(&self, ev: Ev, shard: u8) {
+        let mut t = self.tl.lock().unwrap();
         let at_ns = self.start.elapsed().as_nanos() as u64;
-        self.event_at(ev, shard, at_ns);
+        Self::push(&mut t, ev, shard, at_ns);
     }
 
     fn event_at(&self, ev: Ev, shard: u8, at_ns: u64) {
-        let mut t = self.tl.lock().unwrap();
+        Self::push(&mut self.tl.lock().unwrap(), ev, shard, at_ns);
+    }
+
+    fn push(t: &mut Timeline, ev: Ev, shard: u8, at_ns: u64) {
         if t.len == EVENTS_MAX {
             t.dropped += 1;
             return;
