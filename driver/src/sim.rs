@@ -177,14 +177,27 @@ enum Data {
     Zeros,
 }
 
+/// What a pending write's atomic unit still means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unit {
+    /// The newest content written to the unit.
+    Live,
+    /// A newer write to the unit is pending but not durable. A flush that covers this write
+    /// still persists this content: a drive's flush makes every completed write durable, and
+    /// the unit then holds this content or the newer one, never what was there before.
+    Superseded,
+    /// A newer write to the unit is durable: this content is never persisted.
+    Dead,
+}
+
 /// A write that is in `live` but not (yet) in `durable`.
 struct Pending {
     id: u64,
     offset: u64,
     len: usize,
     data: Data,
-    /// Per atomic unit: still the newest content for that unit (not superseded).
-    live_units: Vec<bool>,
+    /// Per atomic unit.
+    units: Vec<Unit>,
     /// Completion sequence number once the completion has been delivered.
     completed_seq: Option<u64>,
 }
@@ -294,7 +307,9 @@ impl SimDevice {
         let mut counters = SimCounters::default();
         let unit = self.shared.config.atomic_write_bytes as usize;
         let zeros = vec![0u8; unit];
-        for p in &st.pending {
+        // Only the newest pending content of a unit can survive a crash next to the durable
+        // content; writes with no such unit draw nothing from the rng.
+        for p in st.pending.iter().filter(|p| p.units.contains(&Unit::Live)) {
             let choice = rng.gen_range(0..3u32);
             let keep_unit = |rng: &mut ChaCha8Rng| match choice {
                 0 => true,
@@ -307,7 +322,7 @@ impl SimDevice {
                 _ => counters.crash_torn += 1,
             }
             for i in 0..p.len / unit {
-                if keep_unit(&mut rng) && p.live_units[i] {
+                if keep_unit(&mut rng) && p.units[i] == Unit::Live {
                     let src = match &p.data {
                         Data::Bytes(b) => &b[i * unit..(i + 1) * unit],
                         Data::Zeros => &zeros[..],
@@ -564,10 +579,13 @@ impl SimQueue {
             if p.offset < end && offset < p_end {
                 let from = (offset.max(p.offset) - p.offset) / unit;
                 let to = (end.min(p_end) - p.offset) / unit;
-                p.live_units[from as usize..to as usize].fill(false);
+                for u in &mut p.units[from as usize..to as usize] {
+                    if *u == Unit::Live {
+                        *u = Unit::Superseded;
+                    }
+                }
             }
         }
-        st.pending.retain(|p| p.live_units.iter().any(|&l| l));
         let id = st.next_write_id;
         st.next_write_id += 1;
         st.pending.push(Pending {
@@ -575,7 +593,7 @@ impl SimQueue {
             offset,
             len,
             data,
-            live_units: vec![true; (len as u64 / unit) as usize],
+            units: vec![Unit::Live; (len as u64 / unit) as usize],
             completed_seq: None,
         });
         id
@@ -630,28 +648,47 @@ impl SimQueue {
     }
 }
 
-/// Move pending writes selected by `pick` into the durable image.
+/// Move pending writes selected by `pick` into the durable image, oldest first. A persisted
+/// write's units kill the overlapping units of older pending writes: that older content can
+/// no longer reach the durable image, nor survive a crash.
 fn persist(st: &mut State, pick: impl Fn(&Pending) -> bool) {
     let State {
         durable, pending, ..
     } = st;
-    let unit = |p: &Pending| p.len / p.live_units.len().max(1);
-    pending.retain(|p| {
-        if !pick(p) {
-            return true;
+    let picked: Vec<bool> = pending.iter().map(&pick).collect();
+    for i in 0..pending.len() {
+        if !picked[i] {
+            continue;
         }
-        let u = unit(p);
-        for (i, &live) in p.live_units.iter().enumerate() {
-            if !live {
+        let (older, rest) = pending.split_at_mut(i);
+        let p = &rest[0];
+        let u = p.len / p.units.len().max(1);
+        for (k, &state) in p.units.iter().enumerate() {
+            if state == Unit::Dead {
                 continue;
             }
-            let at = p.offset + (i * u) as u64;
+            let at = p.offset + (k * u) as u64;
             match &p.data {
-                Data::Bytes(b) => durable.write(at, &b[i * u..(i + 1) * u]),
+                Data::Bytes(b) => durable.write(at, &b[k * u..(k + 1) * u]),
                 Data::Zeros => durable.zero(at, u),
             }
         }
-        false
+        let end = p.offset + p.len as u64;
+        for o in older.iter_mut() {
+            let o_end = o.offset + o.len as u64;
+            if o.offset < end && p.offset < o_end {
+                let ou = (o.len / o.units.len().max(1)) as u64;
+                let from = (p.offset.max(o.offset) - o.offset) / ou;
+                let to = (end.min(o_end) - o.offset) / ou;
+                o.units[from as usize..to as usize].fill(Unit::Dead);
+            }
+        }
+    }
+    let mut k = 0;
+    pending.retain(|p| {
+        let keep = !picked[k] && p.units.iter().any(|&u| u != Unit::Dead);
+        k += 1;
+        keep
     });
 }
 

@@ -1220,8 +1220,8 @@ impl<D: BlockDevice> Committer<D> {
         if had_old {
             segs.free_checkpoint(old_id);
         }
-        segs.replay_start = sb.replay_batch_seq.get();
-        segs.reclaim(sb.replay_batch_seq.get(), self.log.pos.seg);
+        segs.set_replay_start(sb.replay_batch_seq.get(), sb.replay_segment.get());
+        segs.reclaim(self.log.pos.seg);
         Ok(true)
     }
 }

@@ -477,7 +477,21 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
         }
         segs.set_state(head.next_seg, SegState::Reserved);
     }
-    segs.replay_start = sb.replay_batch_seq.get();
+    // Replay may start at the end of a segment that holds no batch it reads (the checkpoint
+    // began when the head had no room left): that segment's header is read at every open
+    // until a newer checkpoint moves the replay start, so it is not free.
+    let replay_seg = sb.replay_segment.get();
+    if (replay_seg as u64) < layout.segments as u64
+        && segs.infos[replay_seg as usize].state == SegState::Free
+    {
+        segs.set_state(
+            replay_seg,
+            SegState::Log {
+                max_batch_seq: sb.replay_batch_seq.get().saturating_sub(1),
+            },
+        );
+    }
+    segs.set_replay_start(sb.replay_batch_seq.get(), replay_seg);
     segs.head = head.seg;
     // Skipped batches held op sequences replay never saw; hand out none of them again (a
     // batch holds one round's transactions at most).

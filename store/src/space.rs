@@ -1,9 +1,14 @@
 //! The segment table: what each segment holds, live bytes per segment, allocation with a
 //! reserve for the cleaner, and the rule for when a segment may be reused.
 //!
-//! A log segment may be reused only when (a) no object references data in it (live bytes 0) and
-//! (b) every batch in it is older than the durable checkpoint's replay start, so no future
-//! replay reads it. Checkpoint segments are freed when a newer checkpoint is durable.
+//! A log segment may be reused only when (a) no object references data in it (live bytes 0),
+//! (b) every batch in it is older than the durable checkpoint's replay start, and (c) it is not
+//! the segment the replay starts in, so no future replay reads it. Checkpoint segments are freed
+//! when a newer checkpoint is durable.
+//!
+//! (c) matters when a checkpoint starts while the head segment has no room for the next batch:
+//! the replay then starts at that segment's end and reads only its header (to learn the next
+//! segment), yet every batch in it is older than the replay start.
 
 use std::collections::BTreeSet;
 
@@ -63,6 +68,8 @@ pub struct Segments {
     pub reserve: u64,
     /// The durable checkpoint's replay start (batch sequence): older batches are never read.
     pub replay_start: u64,
+    /// The segment that replay starts in: its header is read at every open.
+    pub replay_seg: u32,
     /// The log's open segment.
     pub head: u32,
 }
@@ -83,6 +90,7 @@ impl Segments {
             segment_bytes,
             reserve,
             replay_start: 0,
+            replay_seg: u32::MAX,
             head: u32::MAX,
         }
     }
@@ -153,24 +161,30 @@ impl Segments {
             info.live_bytes
         );
         info.live_bytes -= bytes;
-        if seg != self.head && Self::is_reclaimable(&self.infos[seg as usize], self.replay_start) {
+        if seg != self.head && self.is_reclaimable(seg, self.replay_start) {
             self.set_state(seg, SegState::Free);
             self.infos[seg as usize].newest_seq = 0;
         }
     }
 
-    fn is_reclaimable(info: &SegInfo, replay_start: u64) -> bool {
+    fn is_reclaimable(&self, seg: u32, replay_start: u64) -> bool {
+        let info = &self.infos[seg as usize];
         matches!(info.state, SegState::Log { max_batch_seq } if max_batch_seq < replay_start)
             && info.live_bytes == 0
+            && seg != self.replay_seg
+    }
+
+    /// A new durable replay start: batch `batch_seq`, in segment `seg`.
+    pub fn set_replay_start(&mut self, batch_seq: u64, seg: u32) {
+        self.replay_start = batch_seq;
+        self.replay_seg = seg;
     }
 
     /// Free every log segment that is dead and older than the replay start. Returns how many.
-    pub fn reclaim(&mut self, replay_start_batch_seq: u64, head_segment: u32) -> u64 {
+    pub fn reclaim(&mut self, head_segment: u32) -> u64 {
         let mut n = 0;
         for seg in 0..self.infos.len() as u32 {
-            if seg != head_segment
-                && Self::is_reclaimable(&self.infos[seg as usize], replay_start_batch_seq)
-            {
+            if seg != head_segment && self.is_reclaimable(seg, self.replay_start) {
                 self.set_state(seg, SegState::Free);
                 self.infos[seg as usize].newest_seq = 0;
                 n += 1;
@@ -263,12 +277,30 @@ mod tests {
         let seg = s.alloc(false).unwrap();
         s.note_batch(seg, 5);
         s.add_live(seg, 100, 1);
-        assert_eq!(s.reclaim(10, 99), 0, "live data pins it");
+        s.set_replay_start(10, 9);
+        assert_eq!(s.reclaim(99), 0, "live data pins it");
+        s.set_replay_start(5, 9);
         s.sub_live(seg, 100);
-        assert_eq!(s.reclaim(5, 99), 0, "batch 5 is still in the replay range");
+        assert_eq!(s.reclaim(99), 0, "batch 5 is still in the replay range");
         assert_eq!(s.pinned_dead(5), 1);
-        assert_eq!(s.reclaim(6, 99), 1);
+        s.set_replay_start(6, 9);
+        assert_eq!(s.reclaim(99), 1);
         assert_eq!(s.free_count(), 10);
+    }
+
+    #[test]
+    fn the_segment_replay_starts_in_is_kept() {
+        let mut s = Segments::new(10, 1 << 20);
+        let seg = s.alloc(false).unwrap();
+        s.note_batch(seg, 5);
+        s.add_live(seg, 100, 1);
+        // Replay starts after batch 5, at the end of `seg`: it still reads the header there.
+        s.set_replay_start(6, seg);
+        s.sub_live(seg, 100);
+        assert_eq!(s.reclaim(99), 0);
+        assert!(matches!(s.infos[seg as usize].state, SegState::Log { .. }));
+        s.set_replay_start(7, 3);
+        assert_eq!(s.reclaim(99), 1);
     }
 
     #[test]

@@ -444,3 +444,91 @@ fn concurrent_crash_points() {
     }
     eprintln!("{points} concurrent crash points");
 }
+
+/// Regression (found by stress on `concurrent_crash_points`): a checkpoint that starts when
+/// the log head segment has no room for the next batch makes replay start at the end of that
+/// segment, which then holds only batches older than the replay start. Once its data died it
+/// was freed and reused, and the next open could not follow the log from the replay start:
+/// every acknowledged write after the checkpoint was lost, and removed objects came back.
+#[test]
+fn regression_replay_start_segment_is_not_reused() {
+    const SMALL: usize = 4096;
+    const OBJ: usize = 256 << 10;
+    let dev = sim(48, 7);
+    mkfs(&dev, &mkfs_opts()).unwrap();
+    let cfg = StoreConfig {
+        checkpoint_interval_bytes: u64::MAX,
+        cleaner: false,
+        ..StoreConfig::default()
+    };
+    let seg_of = |s: &Store<SimDevice>, k: &ObjectKey| {
+        (s.locate(k).unwrap()[0].0 - nvstore_store::format::SEGMENTS_START_BYTES) >> 21
+    };
+    // On a scratch store: how many objects fill the head segment before one spills over.
+    let n = {
+        let scratch = sim(48, 8);
+        mkfs(&scratch, &mkfs_opts()).unwrap();
+        let (s, _) = Store::open(scratch, Some(FSID), cfg.clone()).unwrap();
+        s.write_full(&key("a0"), &data(0, SMALL)).unwrap();
+        let first = seg_of(&s, &key("a0"));
+        let mut n = 1;
+        loop {
+            let k = key(&format!("a{n}"));
+            s.write_full(&k, &data(n, SMALL)).unwrap();
+            if seg_of(&s, &k) != first {
+                break n;
+            }
+            n += 1;
+        }
+    };
+    // Fill to the same point and checkpoint there: the replay starts at the segment's end.
+    let (s, _) = Store::open(dev.clone(), Some(FSID), cfg.clone()).unwrap();
+    for i in 0..n {
+        s.write_full(&key(&format!("a{i}")), &data(i, SMALL))
+            .unwrap();
+    }
+    let replay_seg = seg_of(&s, &key(&format!("a{}", n - 1)));
+    s.checkpoint().unwrap();
+    // The next object opens a new segment; then every object in the old one dies.
+    s.write_full(&key("b"), &data(1000, OBJ)).unwrap();
+    for i in 0..n {
+        s.remove(&key(&format!("a{i}"))).unwrap();
+    }
+    // Enough writes that the log opens several segments: before the fix the first of them
+    // was the replay start segment, freed when the last object in it was removed.
+    assert_ne!(seg_of(&s, &key("b")), replay_seg);
+    let mut written = Vec::new();
+    for i in 0..24u64 {
+        let k = format!("c{i}");
+        s.write_full(&key(&k), &data(2000 + i, OBJ)).unwrap();
+        assert_ne!(
+            seg_of(&s, &key(&k)),
+            replay_seg,
+            "{k} reused the replay start segment"
+        );
+        written.push((k, 2000 + i));
+    }
+    drop(s);
+    let after = dev.crash(1);
+    let (s, report) = Store::open(after, Some(FSID), cfg)
+        .unwrap_or_else(|e| panic!("open after the crash failed: {e}"));
+    eprintln!("{report:?}");
+    for i in 0..n {
+        assert!(
+            !s.exists(&key(&format!("a{i}"))),
+            "a{i} was removed (acknowledged) but came back"
+        );
+    }
+    assert_eq!(
+        s.read_vec(&key("b"), 0, OBJ as u64).unwrap(),
+        data(1000, OBJ)
+    );
+    for (k, seed) in written {
+        assert_eq!(
+            s.read_vec(&key(&k), 0, OBJ as u64)
+                .unwrap_or_else(|e| panic!("{k}: {e}")),
+            data(seed, OBJ),
+            "{k}"
+        );
+    }
+}
