@@ -656,10 +656,7 @@ fn persist(st: &mut State, pick: impl Fn(&Pending) -> bool) {
         durable, pending, ..
     } = st;
     let picked: Vec<bool> = pending.iter().map(&pick).collect();
-    for i in 0..pending.len() {
-        if !picked[i] {
-            continue;
-        }
+    for (i, _) in picked.iter().enumerate().filter(|(_, &p)| p) {
         let (older, rest) = pending.split_at_mut(i);
         let p = &rest[0];
         let u = p.len / p.units.len().max(1);
