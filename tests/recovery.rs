@@ -300,3 +300,124 @@ fn a_node_down_after_a_long_busy_spell_is_still_caught_up_by_delta() {
         );
     }
 }
+
+/// The interval race: a new primary starts by asking each member for its PG log. A member
+/// that answers before it has the new map must refuse the old primary's writes from then on,
+/// or the old primary could complete a write the new one never heard of. Here node Q plays a
+/// primary of a newer epoch than the member knows (the member waits for that map, in vain,
+/// then answers); the real primary P, still on the old map, is refused afterwards.
+#[test]
+fn a_member_that_answered_a_newer_primary_refuses_the_old_one() {
+    use messenger::{Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret};
+    use nvstore::node::local::{ShardMeta, ShardWrite, WriteKind, BASE_ANY};
+    use nvstore::wire::{self, Enc, Status};
+
+    struct Nothing;
+    impl Dispatcher for Nothing {
+        fn handle(&self, _m: Incoming) {}
+    }
+
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(8);
+    let c = &h.client;
+    let pool = c.create_pool("iv", 6, 2, 4096, 8, None).unwrap();
+    c.put(pool, b"probe", b"first").unwrap();
+    let map = c.map();
+    let p = &map.pools[&pool];
+    let a = Acting::compute(&map, p, pg_of(p, b"probe"));
+    let primary = a.primary.unwrap();
+    let member = a.members[1].unwrap();
+    let newer = a.members[2].unwrap();
+    assert!(primary != member && primary != newer && member != newer);
+    let secret = Secret::load(&h.lc.dir.join("cluster.key")).unwrap();
+    let as_node = |id: u32| {
+        let m = Messenger::new(
+            messenger::Config::default(),
+            Identity::Node(id),
+            secret.clone(),
+            std::sync::Arc::new(Nothing),
+        )
+        .unwrap();
+        let conn = m
+            .connect(map.nodes[&member].addr, Identity::Node(member))
+            .unwrap();
+        (m, conn)
+    };
+    let ask = |conn: &messenger::Connection, t: u16, payload: Vec<u8>| -> (Status, String) {
+        let r = conn
+            .request(OutMessage::new(t, payload), Duration::from_secs(30))
+            .unwrap();
+        match wire::parse_reply(&r.payload) {
+            Ok(_) => (Status::Ok, String::new()),
+            Err(nvstore::Error::Remote { status, message }) => (status, message),
+            Err(e) => panic!("{e}"),
+        }
+    };
+    let data = vec![7u8; 4096];
+    let shard_write = || {
+        let w = ShardWrite {
+            pool,
+            pg: a.pg,
+            name: b"interval-probe",
+            shard: 1,
+            kind: WriteKind::Full,
+            base_version: BASE_ANY,
+            meta: ShardMeta {
+                version: (map.epoch << 32) | 1,
+                size: 4096,
+                mtime_unix_ns: 1,
+                deleted: false,
+            },
+            offset: 0,
+            xattrs: vec![],
+            data: &data,
+        };
+        let mut payload = w.encode_header(map.epoch);
+        payload.extend_from_slice(&data);
+        payload
+    };
+    let refused = |c: &Client| {
+        c.perf_dump(member).unwrap()["node"]["stale_primary_refused"]
+            .as_u64()
+            .unwrap()
+    };
+
+    let (mp, from_primary) = as_node(primary);
+    let (s, msg) = ask(&from_primary, wire::MSG_SHARD_WRITE, shard_write());
+    assert_eq!(
+        s,
+        Status::Ok,
+        "the primary's write before any newer one: {msg}"
+    );
+    assert_eq!(refused(c), 0);
+
+    // A primary of epoch + 1 asks for the PG log; the member never gets that map.
+    let (mq, from_newer) = as_node(newer);
+    let mut e = Enc::new(map.epoch + 1);
+    e.u64(pool).u32(a.pg);
+    let (s, msg) = ask(&from_newer, wire::MSG_PG_LOG, e.finish());
+    assert_eq!(s, Status::Ok, "{msg}");
+
+    let (s, msg) = ask(&from_primary, wire::MSG_SHARD_WRITE, shard_write());
+    assert_eq!(
+        s,
+        Status::StaleEpoch,
+        "the old primary's write after the newer one: {msg}"
+    );
+    assert!(msg.contains(&format!("node.{newer}")), "{msg}");
+    // P's own background ops for the PG (mark refreshes, scrub) are refused as well.
+    assert!(refused(c) >= 1);
+    // The newer primary's own ops of an older epoch are its to order: accepted.
+    let mut e = Enc::new(map.epoch);
+    e.u64(pool).u32(a.pg);
+    let (s, msg) = ask(&from_newer, wire::MSG_PG_LOG, e.finish());
+    assert_eq!(s, Status::Ok, "{msg}");
+    // Other PGs are not affected.
+    let other = (0..p.pg_num).find(|&g| g != a.pg).unwrap();
+    let mut e = Enc::new(map.epoch);
+    e.u64(pool).u32(other);
+    let (s, _) = ask(&from_primary, wire::MSG_PG_LOG, e.finish());
+    assert_ne!(s, Status::StaleEpoch);
+    mp.shutdown();
+    mq.shutdown();
+}

@@ -63,6 +63,8 @@ pub struct Counters {
     pub resolves_asked: AtomicU64,
     /// Object states known absent without one (`PgCache::complete_at`).
     pub resolves_absent_local: AtomicU64,
+    /// Shard and recovery ops refused because a newer primary of the PG had been seen.
+    pub stale_primary_refused: AtomicU64,
 }
 
 /// A client op waiting on its PG: the message and its tracking.
@@ -87,6 +89,10 @@ pub struct Node {
     msgr: OnceLock<Arc<Messenger>>,
     peers: Mutex<HashMap<u32, Connection>>,
     pgs: Mutex<HashMap<(u64, u32), PgSlot>>,
+    /// Per PG: the newest (epoch, primary) that sent this node a shard or recovery op. A
+    /// primary of an older epoch is refused from then on, even before this node has the map
+    /// that replaced it (see `check_shard_sender`).
+    intervals: Mutex<HashMap<(u64, u32), (u64, Identity)>>,
     run_q: Arc<WaitQueue<(u64, u32)>>,
     shard_q: Arc<WaitQueue<(Incoming, Arc<TrackedOp>)>>,
     staging: Mutex<HashMap<(Identity, u64), Staged>>,
@@ -350,8 +356,15 @@ impl Node {
     }
 
     /// Check a shard op's epoch: wait for a newer map; refuse a sender that is no longer the
-    /// PG's primary under ours.
+    /// PG's primary under ours, or that an op from a newer primary of the PG has superseded.
+    ///
+    /// The second rule closes the interval race: a new primary starts by asking every member
+    /// for its PG log. A member that answers before it has the new map (the wait for it is
+    /// bounded) would otherwise still take writes from the old primary afterwards, writes the
+    /// new primary never heard of. Only nodes acting as a PG's primary send these ops, so the
+    /// sender of the newest epoch seen is the PG's current primary as far as this node knows.
     fn check_shard_sender(&self, msg: &Incoming, epoch: u64, pool: u64, pg: u32) -> Result<()> {
+        self.check_interval(msg.peer(), epoch, pool, pg)?;
         if epoch > self.epoch() {
             self.monc.wait_epoch(epoch, EPOCH_WAIT);
         }
@@ -370,6 +383,34 @@ impl Node {
                         map.epoch
                     ),
                 ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Record `(epoch, sender)` as the PG's newest primary, or refuse a sender that a newer
+    /// primary has superseded. The same primary's own older-epoch ops are accepted: it
+    /// orders them itself.
+    fn check_interval(&self, sender: Identity, epoch: u64, pool: u64, pg: u32) -> Result<()> {
+        let mut iv = self.intervals.lock().unwrap();
+        match iv.entry((pool, pg)) {
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert((epoch, sender));
+            }
+            std::collections::hash_map::Entry::Occupied(mut o) => {
+                let (newest, primary) = *o.get();
+                if epoch > newest {
+                    o.insert((epoch, sender));
+                } else if epoch < newest && sender != primary {
+                    self.counters.stale_primary_refused.fetch_add(1, Relaxed);
+                    return Err(Error::remote(
+                        Status::StaleEpoch,
+                        format!(
+                            "{sender} sent an op of epoch {epoch} for pg {pool}.{pg:x}, whose \
+                             primary is {primary} since epoch {newest}"
+                        ),
+                    ));
+                }
             }
         }
         Ok(())
@@ -693,6 +734,7 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
         msgr: OnceLock::new(),
         peers: Mutex::new(HashMap::new()),
         pgs: Mutex::new(HashMap::new()),
+        intervals: Mutex::new(HashMap::new()),
         run_q: Arc::new(WaitQueue::new()),
         shard_q: Arc::new(WaitQueue::new()),
         staging: Mutex::new(HashMap::new()),

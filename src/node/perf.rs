@@ -160,13 +160,14 @@ impl Node {
         let (recent, longest) = ops.health();
         let threshold = ops.threshold().as_millis() as u64;
         #[rustfmt::skip]
-        let rows: [(&'static str, Row); 24] = [
+        let rows: [(&'static str, Row); 25] = [
             ("client", ("read_ops", C, c.read_ops.load(Relaxed), "Client read ops run as primary")),
             ("client", ("write_ops", C, c.write_ops.load(Relaxed), "Client write ops run as primary")),
             ("client", ("read_bytes", C, c.read_bytes.load(Relaxed), "Bytes returned to clients")),
             ("client", ("write_bytes", C, c.write_bytes.load(Relaxed), "Bytes clients wrote")),
             ("client", ("resolves_asked", C, c.resolves_asked.load(Relaxed), "Object states resolved by a stat round to the members")),
             ("client", ("resolves_absent_local", C, c.resolves_absent_local.load(Relaxed), "Objects known absent from this complete member's own shards, without a stat round")),
+            ("node", ("stale_primary_refused", C, c.stale_primary_refused.load(Relaxed), "Shard ops refused from a primary that a newer one of the PG superseded")),
             ("recovery", ("marks_refreshed", C, self.recovery.marks_refreshed.load(Relaxed), "Times a PG's member marks were advanced between passes")),
             ("recovery", ("marks_behind", G, self.marks_behind(), "PGs led here whose member marks lag acknowledged writes")),
             ("ec", ("encoded_bytes", C, e.encoded_bytes.load(Relaxed), "Data bytes encoded in full stripes")),

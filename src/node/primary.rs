@@ -1173,6 +1173,18 @@ impl Node {
                 for (slot, r) in self.fan_out(&sub, wire::MSG_SHARD_WRITE, reqs, &local) {
                     match r {
                         Ok(_) => acked |= bit(slot),
+                        // A member has heard from a newer primary of the PG: this node no
+                        // longer leads it. The new primary settles the object; the client
+                        // refreshes its map and retries there.
+                        Err(
+                            e @ Error::Remote {
+                                status: Status::StaleEpoch,
+                                ..
+                            },
+                        ) => {
+                            let _ = self.monc.subscribe();
+                            return Err(e);
+                        }
                         Err(e) => {
                             last_err = format!("shard {slot}: {e}");
                             failed |= bit(slot);
