@@ -91,6 +91,53 @@ fn large_and_small_frames_interleave_intact() {
     }
 }
 
+/// One server worker streaming large replies on many connections at once: each pass stops
+/// at its write budget and resumes the connections it did not reach, and every byte of every
+/// reply still arrives, in order, with the small replies in between.
+#[test]
+fn one_worker_streams_large_replies_to_many_connections_intact() {
+    let k = Secret::generate();
+    let (_server, addr) = start_server(small_config(), &k, Arc::new(Echo { inline: false }));
+    let c = client(
+        Config {
+            workers: 2,
+            ..small_config()
+        },
+        1,
+        &k,
+    );
+    let big: Arc<[u8]> = (0..(3usize << 20) + 777)
+        .map(|i| (i * 13 + i / 65536) as u8)
+        .collect::<Vec<_>>()
+        .into();
+    let conns: Vec<_> = (0..12).map(|_| c.connect(addr, SERVER).unwrap()).collect();
+    let (tx, rx) = crossbeam::channel::unbounded();
+    let mut sent = 0;
+    for round in 0..3usize {
+        for (n, conn) in conns.iter().enumerate() {
+            let (t1, t2) = (tx.clone(), tx.clone());
+            conn.request_with(OutMessage::new(ECHO, big.clone()), T, move |r| {
+                t1.send((n, round, true, r)).unwrap()
+            });
+            conn.request_with(OutMessage::new(ECHO, vec![n as u8; 64]), T, move |r| {
+                t2.send((n, round, false, r)).unwrap()
+            });
+            sent += 2;
+        }
+    }
+    for _ in 0..sent {
+        let (n, round, large, r) = rx.recv().unwrap();
+        let p = r
+            .unwrap_or_else(|e| panic!("conn {n} round {round}: {e}"))
+            .payload;
+        if large {
+            assert!(*p == *big, "conn {n} round {round}: large reply damaged");
+        } else {
+            assert!(p.len() == 64 && p.iter().all(|&b| b == n as u8));
+        }
+    }
+}
+
 struct Collect {
     got: Mutex<Vec<(Identity, Vec<u8>)>>,
     parked: Mutex<Vec<Responder>>,
