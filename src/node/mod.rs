@@ -364,7 +364,6 @@ impl Node {
     /// new primary never heard of. Only nodes acting as a PG's primary send these ops, so the
     /// sender of the newest epoch seen is the PG's current primary as far as this node knows.
     fn check_shard_sender(&self, msg: &Incoming, epoch: u64, pool: u64, pg: u32) -> Result<()> {
-        self.check_interval(msg.peer(), epoch, pool, pg)?;
         if epoch > self.epoch() {
             self.monc.wait_epoch(epoch, EPOCH_WAIT);
         }
@@ -385,7 +384,8 @@ impl Node {
                 ));
             }
         }
-        Ok(())
+        // Only a sender that passed the map check is recorded as the PG's newest primary.
+        self.check_interval(msg.peer(), epoch, pool, pg)
     }
 
     /// Record `(epoch, sender)` as the PG's newest primary, or refuse a sender that a newer
