@@ -116,6 +116,10 @@ pub struct StreamReader {
     stream_id: u64,
     kind: u16,
     pub pos: Pos,
+    /// No batch older than this open generation can follow: the newest generation of the
+    /// batches read so far and of the segment headers passed. A segment opened by generation
+    /// g holds only batches of g or later, so a stale batch of a crashed earlier open, left
+    /// behind in a segment whose header a later open rewrote, is not taken for a new one.
     last_gen: u32,
     image: Option<(u32, Vec<u8>)>,
     /// Bytes of batches returned so far.
@@ -291,6 +295,7 @@ impl StreamReader {
                     if h.stream_id.get() == self.stream_id && h.segment.get() == self.pos.seg =>
                 {
                     self.pos.next_seg = h.next_segment.get();
+                    self.last_gen = self.last_gen.max(h.gen.get());
                 }
                 _ => return Ok(None),
             }
@@ -306,6 +311,7 @@ impl StreamReader {
                 }
                 self.pos.off = layout.block;
                 self.pos.next_seg = h.next_segment.get();
+                self.last_gen = self.last_gen.max(h.gen.get());
             }
             let (stream_id, pos, last_gen) = (self.stream_id, self.pos, self.last_gen);
             let image = Self::load(&mut self.image, &layout, dev, q, self.pos.seg)?;
@@ -331,6 +337,7 @@ impl StreamReader {
                 batch_seq: self.pos.batch_seq,
                 next_seg: h.next_segment.get(),
             };
+            self.last_gen = self.last_gen.max(h.gen.get());
         }
     }
 }

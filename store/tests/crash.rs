@@ -367,6 +367,17 @@ fn regression_torn_head_segment_stays_allocated() {
     deterministic_seed(129);
 }
 
+/// Regression (seed 966, found by the long mode): the first open's only batch was written
+/// but its segment header was lost in the crash, so the next open found no log and started
+/// over in that segment. The second open's crash kept its rewritten segment header but not
+/// its batch, and the open after it replayed the first open's never-acknowledged batch, still
+/// there behind the new header: removed objects came back. A segment's batches are now never
+/// older than its header's generation.
+#[test]
+fn regression_stale_batch_behind_a_rewritten_segment_header() {
+    deterministic_seed(966);
+}
+
 #[test]
 fn concurrent_crash_points() {
     const CLIENTS: usize = 4;
