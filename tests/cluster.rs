@@ -4,11 +4,11 @@
 
 mod common;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use common::{bytes, Harness};
-use messenger::{Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret};
+use messenger::{Identity, OutMessage};
 use nvstore::cluster_cmd::LocalOptions;
 use nvstore::ops::{ClientOp, OpResult, SubOp};
 use nvstore::wire::{self, Status};
@@ -339,11 +339,6 @@ fn kill_two_nodes_mid_workload_every_acknowledged_write_reads_back() {
     }
 }
 
-struct Nothing;
-impl Dispatcher for Nothing {
-    fn handle(&self, _m: Incoming) {}
-}
-
 #[test]
 fn bad_input_gets_clear_errors_and_the_node_keeps_serving() {
     let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -355,14 +350,7 @@ fn bad_input_gets_clear_errors_and_the_node_keeps_serving() {
     let e = c.put(pool, &vec![b'n'; 1001], b"y").unwrap_err();
     assert_eq!(status_of(&e), Some(Status::Invalid), "{e}");
     // Raw requests straight to a node, bypassing the client's checks.
-    let secret = Secret::load(&h.lc.dir.join("cluster.key")).unwrap();
-    let m = Messenger::new(
-        messenger::Config::default(),
-        Identity::Client(4242),
-        secret,
-        Arc::new(Nothing),
-    )
-    .unwrap();
+    let m = h.raw_messenger(Identity::Client(4242));
     let map = c.map();
     let node = &map.nodes[&1];
     let conn = m.connect(node.addr, Identity::Node(1)).unwrap();

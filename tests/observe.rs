@@ -8,11 +8,11 @@ mod common;
 use std::collections::{BTreeMap, HashSet};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use common::Harness;
-use messenger::{Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret};
+use messenger::{Identity, OutMessage};
 use nvstore::cluster_cmd::LocalOptions;
 use nvstore::wire::{self, Status};
 use nvstore::{Client, Error};
@@ -614,18 +614,7 @@ fn runtime_config_changes_a_running_node(h: &Harness) {
 
 /// Admin messages straight to a node with bodies the client would never send.
 fn raw_admin_requests_get_clear_errors(h: &Harness) {
-    struct Nothing;
-    impl Dispatcher for Nothing {
-        fn handle(&self, _: Incoming) {}
-    }
-    let secret = Secret::load(&h.lc.dir.join("cluster.key")).unwrap();
-    let m = Messenger::new(
-        messenger::Config::default(),
-        Identity::Client(4243),
-        secret,
-        Arc::new(Nothing),
-    )
-    .unwrap();
+    let m = h.raw_messenger(Identity::Client(4243));
     let map = h.client.map();
     let conn = m.connect(map.nodes[&1].addr, Identity::Node(1)).unwrap();
     let ask = |t: u16, payload: Vec<u8>| -> String {

@@ -308,14 +308,9 @@ fn a_node_down_after_a_long_busy_spell_is_still_caught_up_by_delta() {
 /// then answers); the real primary P, still on the old map, is refused afterwards.
 #[test]
 fn a_member_that_answered_a_newer_primary_refuses_the_old_one() {
-    use messenger::{Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret};
+    use messenger::{Identity, OutMessage};
     use nvstore::node::local::{ShardMeta, ShardWrite, WriteKind, BASE_ANY};
     use nvstore::wire::{self, Enc, Status};
-
-    struct Nothing;
-    impl Dispatcher for Nothing {
-        fn handle(&self, _m: Incoming) {}
-    }
 
     let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let h = cluster(8);
@@ -329,15 +324,8 @@ fn a_member_that_answered_a_newer_primary_refuses_the_old_one() {
     let member = a.members[1].unwrap();
     let newer = a.members[2].unwrap();
     assert!(primary != member && primary != newer && member != newer);
-    let secret = Secret::load(&h.lc.dir.join("cluster.key")).unwrap();
     let as_node = |id: u32| {
-        let m = Messenger::new(
-            messenger::Config::default(),
-            Identity::Node(id),
-            secret.clone(),
-            std::sync::Arc::new(Nothing),
-        )
-        .unwrap();
+        let m = h.raw_messenger(Identity::Node(id));
         let conn = m
             .connect(map.nodes[&member].addr, Identity::Node(member))
             .unwrap();

@@ -371,12 +371,8 @@ fn restart(h: &Harness, node: u32) {
 /// Replace the first parity shard of `name` by zeros, at its version, with a valid crc (a
 /// raw `SHARD_REPAIR` as if from the primary). Returns the number of stripes it spans.
 fn zero_parity(h: &Harness, pool: u64, name: &str) -> u64 {
-    use messenger::{Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret};
+    use messenger::{Identity, OutMessage};
     use nvstore::node::local::{ShardMeta, ShardWrite, WriteKind, BASE_ANY};
-    struct Nothing;
-    impl Dispatcher for Nothing {
-        fn handle(&self, _m: Incoming) {}
-    }
     let c = &h.client;
     let map = c.map();
     let p = &map.pools[&pool];
@@ -404,15 +400,8 @@ fn zero_parity(h: &Harness, pool: u64, name: &str) -> u64 {
     };
     let mut payload = write.encode_header(map.epoch);
     payload.extend_from_slice(&zeros);
-    let secret = Secret::load(&h.lc.dir.join("cluster.key")).unwrap();
     let primary = a.primary.unwrap();
-    let m = Messenger::new(
-        messenger::Config::default(),
-        Identity::Node(primary),
-        secret,
-        std::sync::Arc::new(Nothing),
-    )
-    .unwrap();
+    let m = h.raw_messenger(Identity::Node(primary));
     let target = a.members[K as usize].unwrap();
     let conn = m
         .connect(map.nodes[&target].addr, Identity::Node(target))

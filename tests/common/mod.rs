@@ -47,3 +47,24 @@ pub fn bytes(seed: u64, len: usize) -> Vec<u8> {
     rand_chacha::ChaCha8Rng::seed_from_u64(seed).fill_bytes(&mut v);
     v
 }
+
+struct Nothing;
+impl messenger::Dispatcher for Nothing {
+    fn handle(&self, _m: messenger::Incoming) {}
+}
+
+impl Harness {
+    /// A messenger speaking as `me` with the cluster's key, for raw requests straight to
+    /// nodes (bypassing the client's checks, or impersonating a node); it handles nothing
+    /// sent to it.
+    pub fn raw_messenger(&self, me: messenger::Identity) -> messenger::Messenger {
+        let secret = messenger::Secret::load(&self.lc.dir.join("cluster.key")).unwrap();
+        messenger::Messenger::new(
+            messenger::Config::default(),
+            me,
+            secret,
+            std::sync::Arc::new(Nothing),
+        )
+        .unwrap()
+    }
+}
