@@ -324,22 +324,34 @@ impl Client {
     }
 
     /// Bytes `[offset, offset + len)` (clamped to the object's size), read in message-sized
-    /// pieces all at one version.
+    /// pieces all at one version. The first message also asks for the object's stat, so an
+    /// object that fits in one message (any object up to 16 MiB read whole) costs one round
+    /// trip; later pieces assert the version the first one saw.
     pub fn get_range(&self, pool: u64, name: &[u8], offset: u64, len: u64) -> Result<Vec<u8>> {
-        if len <= ops::MESSAGE_DATA_BYTES_MAX as u64 {
+        let piece = ops::MESSAGE_DATA_BYTES_MAX as u64;
+        if len <= piece {
             return match self.op(pool, name, &[SubOp::Read { offset, len }])?.1.pop() {
                 Some(OpResult::Data(d)) => Ok(d),
                 other => Err(Error::Malformed(format!("read returned {other:?}"))),
             };
         }
-        for _ in 0..8 {
-            let st = self.stat(pool, name)?;
+        'attempt: for _ in 0..8 {
+            let (_, mut r) = self.op(
+                pool,
+                name,
+                &[SubOp::Stat, SubOp::Read { offset, len: piece }],
+            )?;
+            let (st, mut out) = match (r.pop(), r.pop()) {
+                (Some(OpResult::Data(d)), Some(OpResult::Stat(st))) => (st, d),
+                other => return Err(Error::Malformed(format!("stat + read returned {other:?}"))),
+            };
             let end = offset.saturating_add(len).min(st.size);
-            let mut out = Vec::with_capacity(end.saturating_sub(offset) as usize);
-            let mut at = offset;
-            let mut raced = false;
+            let mut at = offset + out.len() as u64;
+            if at < end {
+                out.reserve((end - at) as usize);
+            }
             while at < end {
-                let n = (end - at).min(ops::MESSAGE_DATA_BYTES_MAX as u64);
+                let n = (end - at).min(piece);
                 match self.op(
                     pool,
                     name,
@@ -355,17 +367,12 @@ impl Client {
                     Err(Error::Remote {
                         status: Status::VersionMismatch,
                         ..
-                    }) => {
-                        raced = true;
-                        break;
-                    }
+                    }) => continue 'attempt,
                     Err(e) => return Err(e),
                 }
                 at += n;
             }
-            if !raced {
-                return Ok(out);
-            }
+            return Ok(out);
         }
         Err(Error::remote(
             Status::VersionMismatch,
