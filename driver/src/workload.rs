@@ -245,6 +245,37 @@ fn parse_fio(json: &[u8], read: bool) -> std::result::Result<Report, String> {
     })
 }
 
+/// The data extents of `path` as (offset, length), holes left out (SEEK_DATA / SEEK_HOLE).
+/// A baseline that reads a sparse file must stay within what was written: the kernel answers
+/// a read of a hole with zeros and no device IO, so a span over holes flatters it.
+pub fn data_extents(path: &Path) -> std::io::Result<Vec<(u64, u64)>> {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(path)?;
+    let size = f.metadata()?.len() as i64;
+    let fd = f.as_raw_fd();
+    let mut out = Vec::new();
+    let mut at = 0i64;
+    while at < size {
+        // SAFETY: lseek on a descriptor we own; it moves only that descriptor's offset.
+        let data = unsafe { libc::lseek(fd, at, libc::SEEK_DATA) };
+        if data < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENXIO) {
+                break; // no data past `at`
+            }
+            return Err(e);
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+        if hole < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        out.push((data as u64, (hole - data) as u64));
+        at = hole;
+    }
+    Ok(out)
+}
+
 /// Peak resident set size of this process (VmHWM), in KiB; 0 if unreadable.
 pub fn peak_rss_kib() -> u64 {
     std::fs::read_to_string("/proc/self/status")
