@@ -741,13 +741,15 @@ impl Node {
                 .map(|(s, v)| (s, (lo, Fetched::from_vec(v))))
                 .collect()
         };
-        let mut out = vec![0u8; len as usize];
+        // Extents come in object order and tile the range: append, no zeroing pass first.
+        let mut out = Vec::with_capacity(len as usize);
         for e in ctx.profile.extents(offset, len) {
             let (base, buf) = &bufs[&e.shard];
             let at = (e.shard_offset - base) as usize;
-            let o = (e.object_offset - offset) as usize;
-            buf.copy_into(at, &mut out[o..o + e.len]);
+            debug_assert_eq!(e.object_offset - offset, out.len() as u64);
+            buf.append_to(at, e.len, &mut out);
         }
+        debug_assert_eq!(out.len() as u64, len);
         Ok(out)
     }
 
@@ -1253,6 +1255,14 @@ impl Fetched {
         let have = self.data.len().saturating_sub(at).min(out.len());
         out[..have].copy_from_slice(&self.data[at..at + have]);
         out[have..].fill(0);
+    }
+
+    /// Bytes `[at, at + n)` appended to `out` (zeros past the shard's meaningful bytes).
+    fn append_to(&self, at: usize, n: usize, out: &mut Vec<u8>) {
+        debug_assert!(at + n <= self.len);
+        let have = self.data.len().saturating_sub(at).min(n);
+        out.extend_from_slice(&self.data[at..at + have]);
+        out.resize(out.len() + n - have, 0);
     }
 
     pub(super) fn padded(&self) -> Vec<u8> {
