@@ -14,6 +14,7 @@
 //! Versions are `epoch << 32 | per-PG counter` (and always above the object's current
 //! version): a new primary always has a newer epoch than the last, so versions only grow.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
@@ -755,14 +756,14 @@ impl Node {
 
     // ---- write ----------------------------------------------------------------------------
 
-    fn write(
+    fn write<'a>(
         &self,
         ctx: &Ctx,
         c: &mut PgCache,
         name: &[u8],
         st: &ObjState,
-        m: Mutation,
-        staged: Option<&[u8]>,
+        m: Mutation<'a>,
+        staged: Option<&'a [u8]>,
     ) -> Result<u64> {
         let mut xattrs = if st.exists() {
             st.xattrs.clone()
@@ -791,10 +792,12 @@ impl Node {
                 }
             }
         }
-        let with_staged = |d: &[u8]| -> Vec<u8> {
+        // The client's bytes are used where they lie in the request unless staged bytes (an
+        // upload's earlier pieces) go in front: a 4 MiB write_full is not copied first.
+        let with_staged = |d: &'a [u8]| -> Cow<'a, [u8]> {
             match staged {
-                Some(s) => [s, d].concat(),
-                None => d.to_vec(),
+                Some(s) => Cow::Owned([s, d].concat()),
+                None => Cow::Borrowed(d),
             }
         };
         let up_mask = (0..ctx.n())
@@ -809,14 +812,14 @@ impl Node {
             mtime_unix_ns: now_ns(),
             deleted,
         };
-        enum Plan {
-            Full(Vec<u8>, bool),
-            Range(u64, Vec<u8>),
+        enum Plan<'a> {
+            Full(Cow<'a, [u8]>, bool),
+            Range(u64, Cow<'a, [u8]>),
             Meta,
         }
         let plan = match &m.data {
             Some(SubOp::WriteFull(d)) => Plan::Full(with_staged(d), false),
-            Some(SubOp::Remove) => Plan::Full(Vec::new(), true),
+            Some(SubOp::Remove) => Plan::Full(Cow::Borrowed(&[]), true),
             Some(SubOp::Write { offset, data }) => {
                 let data = with_staged(data);
                 self.counters
@@ -837,7 +840,7 @@ impl Node {
             Plan::Range(off, data) if !st.exists() => {
                 let mut full = vec![0u8; off as usize];
                 full.extend_from_slice(&data);
-                Plan::Full(full, false)
+                Plan::Full(Cow::Owned(full), false)
             }
             Plan::Range(off, data) if !all_current => {
                 let mut full = self.read_range(ctx, name, st, 0, st.size)?;
@@ -846,11 +849,12 @@ impl Node {
                     full.resize(end, 0);
                 }
                 full[off as usize..end].copy_from_slice(&data);
-                Plan::Full(full, false)
+                Plan::Full(Cow::Owned(full), false)
             }
-            Plan::Meta if !all_current => {
-                Plan::Full(self.read_range(ctx, name, st, 0, st.size)?, st.deleted)
-            }
+            Plan::Meta if !all_current => Plan::Full(
+                Cow::Owned(self.read_range(ctx, name, st, 0, st.size)?),
+                st.deleted,
+            ),
             p => p,
         };
         let full_xattrs: Vec<(String, Option<Vec<u8>>)> = xattrs
@@ -1366,13 +1370,20 @@ pub(super) fn check_ops<'a>(op: &ClientOp<'a>) -> Result<Mutation<'a>> {
 fn stripes_to_shards(ctx: &Ctx, buf: &[u8], stripes: usize) -> Vec<Vec<u8>> {
     let (k, u) = (ctx.k(), ctx.profile.stripe_unit());
     let w = k * u;
-    let mut shards = vec![vec![0u8; stripes * u]; ctx.n()];
+    // Filled by appending (no zeroing pass over what the copy overwrites next).
+    let mut shards: Vec<Vec<u8>> = (0..ctx.n())
+        .map(|_| Vec::with_capacity(stripes * u))
+        .collect();
     for s in 0..stripes {
         for (j, shard) in shards.iter_mut().enumerate().take(k) {
             let from = (s * w + j * u).min(buf.len());
             let to = (s * w + (j + 1) * u).min(buf.len());
-            shard[s * u..s * u + (to - from)].copy_from_slice(&buf[from..to]);
+            shard.extend_from_slice(&buf[from..to]);
+            shard.resize((s + 1) * u, 0);
         }
+    }
+    for parity in &mut shards[k..] {
+        parity.resize(stripes * u, 0);
     }
     let (data, parity) = shards.split_at_mut(k);
     let d: Vec<&[u8]> = data.iter().map(|v| v.as_slice()).collect();
