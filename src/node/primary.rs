@@ -1365,25 +1365,33 @@ pub(super) fn check_ops<'a>(op: &ClientOp<'a>) -> Result<Mutation<'a>> {
     Ok(m)
 }
 
-/// Shard-major layout of `stripes` whole stripes of object bytes taken from `buf` (zeros
-/// past its end), parity computed: each slot's bytes for those stripes.
+/// Shard-major layout of `stripes` stripes of object bytes taken from `buf` (zeros past its
+/// end), parity computed: each slot's bytes for those stripes. A last stripe that `buf` fills
+/// only partly is cut to what its first unit holds: the rest of every unit would be zeros,
+/// and so would the parity there (RS is computed byte position by byte position). A 4 KiB
+/// object encodes 8 × 4 KiB, not 8 whole 64 KiB units.
 fn stripes_to_shards(ctx: &Ctx, buf: &[u8], stripes: usize) -> Vec<Vec<u8>> {
     let (k, u) = (ctx.k(), ctx.profile.stripe_unit());
     let w = k * u;
+    let last = if stripes == 0 {
+        0
+    } else {
+        buf.len().saturating_sub((stripes - 1) * w).clamp(1, u)
+    };
+    let len = stripes.saturating_sub(1) * u + last;
     // Filled by appending (no zeroing pass over what the copy overwrites next).
-    let mut shards: Vec<Vec<u8>> = (0..ctx.n())
-        .map(|_| Vec::with_capacity(stripes * u))
-        .collect();
+    let mut shards: Vec<Vec<u8>> = (0..ctx.n()).map(|_| Vec::with_capacity(len)).collect();
     for s in 0..stripes {
+        let unit = if s + 1 == stripes { last } else { u };
         for (j, shard) in shards.iter_mut().enumerate().take(k) {
             let from = (s * w + j * u).min(buf.len());
-            let to = (s * w + (j + 1) * u).min(buf.len());
+            let to = (s * w + j * u + unit).min(buf.len());
             shard.extend_from_slice(&buf[from..to]);
-            shard.resize((s + 1) * u, 0);
+            shard.resize(s * u + unit, 0);
         }
     }
     for parity in &mut shards[k..] {
-        parity.resize(stripes * u, 0);
+        parity.resize(len, 0);
     }
     let (data, parity) = shards.split_at_mut(k);
     let d: Vec<&[u8]> = data.iter().map(|v| v.as_slice()).collect();
