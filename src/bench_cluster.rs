@@ -60,6 +60,58 @@ pub struct BenchResult {
     pub ceph_reference: Option<String>,
     /// Ours over Ceph's (MB/s for 4 MiB, IOPS for 4 KiB).
     pub ratio_vs_ceph: Option<f64>,
+    pub memory: Memory,
+}
+
+/// Peak resident memory after a run: every up node's (from its perf dump) and this client's.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Memory {
+    /// The largest node peak RSS, MiB, and which node.
+    pub node_peak_rss_max_mib: f64,
+    pub node_peak_rss_max_node: u32,
+    /// Sum of the nodes' peak RSS, MiB, over `nodes` nodes that answered.
+    pub node_peak_rss_total_mib: f64,
+    pub nodes: usize,
+    pub client_peak_rss_mib: f64,
+}
+
+/// Ask every up node for its peak RSS (nodes that do not answer are left out).
+pub fn memory(c: &Client) -> Memory {
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let mut m = Memory {
+        client_peak_rss_mib: mib(driver::workload::peak_rss_kib() << 10),
+        ..Memory::default()
+    };
+    let map = c.map();
+    for (id, n) in &map.nodes {
+        if !n.up {
+            continue;
+        }
+        let Ok(d) = c.perf_dump(*id) else { continue };
+        let Some(peak) = d["process"]["peak_rss_bytes"].as_u64() else {
+            continue;
+        };
+        let peak = mib(peak);
+        if peak > m.node_peak_rss_max_mib {
+            m.node_peak_rss_max_mib = peak;
+            m.node_peak_rss_max_node = *id;
+        }
+        m.node_peak_rss_total_mib += peak;
+        m.nodes += 1;
+    }
+    m
+}
+
+/// One line for a benchmark's text output.
+pub fn memory_line(m: &Memory) -> String {
+    format!(
+        "memory: node peak RSS max {:.0} MiB (node {}), {:.0} MiB over {} node(s); this client {:.0} MiB",
+        m.node_peak_rss_max_mib,
+        m.node_peak_rss_max_node,
+        m.node_peak_rss_total_mib,
+        m.nodes,
+        m.client_peak_rss_mib
+    )
 }
 
 /// Ceph 16.2.15 reference (issue #7): (MB/s or IOPS, unit).
@@ -221,6 +273,7 @@ pub fn bench(
         lat_max_ms: h.max() as f64 / 1e3,
         ceph_reference: reference.map(|(v, u)| format!("{v} {u}")),
         ratio_vs_ceph: reference.map(|(v, u)| if u == "MB/s" { mb / v } else { iops / v }),
+        memory: memory(c),
     })
 }
 
@@ -232,6 +285,7 @@ pub fn print(r: &BenchResult) {
     if let (Some(c), Some(x)) = (&r.ceph_reference, r.ratio_vs_ceph) {
         println!("      Ceph 16.2 reference (issue #7, rados bench -t 16): {c}  ->  ours / Ceph = {x:.2}x");
     }
+    println!("      {}", memory_line(&r.memory));
 }
 
 pub fn run(mode: Mode, a: ClusterBenchArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {

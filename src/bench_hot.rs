@@ -171,6 +171,7 @@ pub struct HotRun {
     pub primary_storm: NodeDelta,
     /// CPU of all nodes together during the storm, in percent of one core.
     pub nodes_storm_cpu_pct: f64,
+    pub memory: crate::bench_cluster::Memory,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -398,6 +399,7 @@ fn run_once(conf: &Path, a: &HotBenchArgs, label: &str) -> crate::Result<HotRun>
             primary_idle: node_delta(&idle0, &idle1, primary),
             primary_storm: node_delta(&storm0, &storm1, primary),
             nodes_storm_cpu_pct: cluster_cpu_pct(&storm0, &storm1),
+            memory: crate::bench_cluster::memory(&c),
         });
         Ok(())
     })?;
@@ -513,6 +515,11 @@ pub fn print(r: &HotBenchResult) {
             x.primary_node,
             x.primary_idle.cpu_pct,
             x.primary_idle.empty_iteration_pct
+        );
+        println!(
+            "  {}: {}",
+            x.coalescing,
+            crate::bench_cluster::memory_line(&x.memory)
         );
     }
     println!("{}", r.note);

@@ -125,6 +125,7 @@ pub struct RecoveryBenchResult {
     pub loaded_seconds: f64,
     pub loaded_rebuild_mb_s: f64,
     pub recovery_stats: RecoveryStats,
+    pub memory: crate::bench_cluster::Memory,
 }
 
 fn mb(b: f64) -> f64 {
@@ -290,6 +291,7 @@ fn bench(
     });
     out.p99_ratio = out.client_during_recovery.p99_ms / out.client_baseline.p99_ms;
     out.recovery_stats = c.status()?.recovery;
+    out.memory = crate::bench_cluster::memory(c);
     Ok(out)
 }
 
@@ -711,4 +713,5 @@ fn print_table(r: &RecoveryBenchResult) {
         "rebuild rate under load (MB/s)",
         format!("{:.1}", r.loaded_rebuild_mb_s),
     );
+    println!("{}", crate::bench_cluster::memory_line(&r.memory));
 }

@@ -198,6 +198,13 @@ fn scrape(addr: SocketAddr) -> Scrape {
 
 // ---- threads ------------------------------------------------------------------------------
 
+/// A `kB` field of `/proc/PID/status`, in bytes.
+fn proc_status_bytes(pid: i32, field: &str) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let l = s.lines().find(|l| l.starts_with(field)).unwrap();
+    l.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() << 10
+}
+
 /// Names every thread of `pid` has (`/proc/PID/task/*/comm`).
 fn thread_names(pid: i32) -> Vec<String> {
     std::fs::read_dir(format!("/proc/{pid}/task"))
@@ -351,6 +358,8 @@ fn counters_slow_ops_metrics_and_thread_names() {
         assert!(d["throttle"]["by_class"]["client"]["acquired"].is_u64());
         assert!(d["recovery"].is_object());
         assert_eq!(u(d, "ops.slow_threshold_ms"), 0);
+        let (rss, peak) = (u(d, "process.rss_bytes"), u(d, "process.peak_rss_bytes"));
+        assert!(rss > 1 << 20 && peak >= rss, "{d:#}");
     }
 
     // perf reset zeroes counters, keeps gauges.
@@ -522,6 +531,16 @@ fn counters_slow_ops_metrics_and_thread_names() {
     );
     let names = thread_names(node_pid);
     assert!(names.iter().any(|n| n == "node-metrics") && names.iter().any(|n| n == "store-commit"));
+    // The node's memory figures are its own process's: between the RSS read before the dump
+    // and the high-water mark read after it (which only grows).
+    let rss_before = proc_status_bytes(node_pid, "VmRSS:");
+    let peak = u(&c.perf_dump(1).unwrap(), "process.peak_rss_bytes");
+    let hwm_after = proc_status_bytes(node_pid, "VmHWM:");
+    assert!(
+        rss_before <= peak && peak <= hwm_after,
+        "VmRSS {rss_before} <= peak {peak} <= VmHWM {hwm_after}"
+    );
+    assert!(scrape(node_addr).get("nvstore_process_peak_rss_bytes", &[("node", "1")])[0] > 0.0);
     let mon_pid = h.lc.start_member("mon.1").unwrap();
     assert_threads_named(
         mon_pid,

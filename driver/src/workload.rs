@@ -278,11 +278,21 @@ pub fn data_extents(path: &Path) -> std::io::Result<Vec<(u64, u64)>> {
 
 /// Peak resident set size of this process (VmHWM), in KiB; 0 if unreadable.
 pub fn peak_rss_kib() -> u64 {
+    proc_status_kib("VmHWM:")
+}
+
+/// Resident set size of this process now (VmRSS), in KiB; 0 if unreadable.
+pub fn rss_kib() -> u64 {
+    proc_status_kib("VmRSS:")
+}
+
+/// A `kB` field of /proc/self/status.
+fn proc_status_kib(field: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
+                .find(|l| l.starts_with(field))
                 .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
         })
         .unwrap_or(0)

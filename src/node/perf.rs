@@ -159,8 +159,12 @@ impl Node {
         let (done, slow) = ops.totals();
         let (recent, longest) = ops.health();
         let threshold = ops.threshold().as_millis() as u64;
+        let (rss, peak) = (
+            driver::workload::rss_kib(),
+            driver::workload::peak_rss_kib(),
+        );
         #[rustfmt::skip]
-        let rows: [(&'static str, Row); 25] = [
+        let rows: [(&'static str, Row); 27] = [
             ("client", ("read_ops", C, c.read_ops.load(Relaxed), "Client read ops run as primary")),
             ("client", ("write_ops", C, c.write_ops.load(Relaxed), "Client write ops run as primary")),
             ("client", ("read_bytes", C, c.read_bytes.load(Relaxed), "Bytes returned to clients")),
@@ -186,6 +190,8 @@ impl Node {
             ("node", ("op_threads", G, self.cfg.op_threads as u64, "Threads running client ops")),
             ("node", ("shard_threads", G, super::SHARD_THREADS as u64, "Threads running shard ops")),
             ("node", ("devices", G, self.local.stores.len() as u64, "Devices this node serves")),
+            ("process", ("rss_bytes", G, rss << 10, "Resident memory of the node process (VmRSS)")),
+            ("process", ("peak_rss_bytes", G, peak << 10, "Peak resident memory of the node process since it started (VmHWM)")),
         ];
         for (group, (name, kind, v, help)) in rows {
             out.push(group, name, help, kind, None, v);
