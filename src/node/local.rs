@@ -8,16 +8,19 @@
 //! * `(pool, "\0log" ‖ pg BE32 ‖ version BE64 ‖ name, 0xFE)` — per-PG log entry (empty).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use driver::{BlockDevice, FileDevice};
-use store::{ObjectKey, Store, StoreError, Transaction};
+use store::{AsyncCommit, ObjectKey, Store, StoreError, Transaction};
 
 use crate::error::{Error, Result};
 use crate::wire::{Dec, Enc, Status};
 
 /// Rollback bytes kept inline in the `nv.rb` xattr up to this size.
 const ROLLBACK_INLINE_BYTES_MAX: usize = 32 << 10;
+/// Shard writes up to this size that create their shard are applied without blocking, on the
+/// thread that received them ([`Local::apply_async`]); their data is copied once.
+pub const ASYNC_APPLY_BYTES_MAX: usize = 64 << 10;
 /// Per-PG log entries a member keeps.
 pub const PG_LOG_ENTRIES_MAX: usize = 512;
 pub const SHARD_ROLLBACK_BIT: u8 = 0x80;
@@ -291,6 +294,22 @@ impl ShardState {
 }
 
 /// The node's stores and the indexes it keeps over them.
+/// How [`Local::apply_with`] commits.
+enum Commit {
+    /// Block until durable.
+    Wait,
+    /// Return at once; the callback runs on the commit thread.
+    Async(Arc<Local>, Box<dyn FnOnce(Option<Result<()>>) + Send>),
+}
+
+/// What a shard write's commit leaves to do once it is durable.
+struct Applied {
+    pg: (u64, u32),
+    key: ObjectKey,
+    log_key: ObjectKey,
+    meta: ShardMeta,
+}
+
 pub struct Local {
     pub stores: Vec<Store<FileDevice>>,
     meta_cache: Mutex<HashMap<ObjectKey, Option<ShardMeta>>>,
@@ -429,8 +448,34 @@ impl Local {
 
     /// Apply a shard write durably (with its rollback record and log entry).
     pub fn apply(&self, w: &ShardWrite) -> Result<()> {
+        self.apply_with(w, Commit::Wait).map(|_| ())
+    }
+
+    /// Start applying a small write that creates a shard, without blocking: no device read,
+    /// no wait for the commit. `done` runs on the store's commit thread once the write is
+    /// durable (`Some(Ok)`), failed (`Some(Err)`), or lost a race with another writer of the
+    /// shard (`None`: nothing was applied; apply it again). Returns `Ok(false)`, having done
+    /// nothing, for any other write (it may need to read the shard's old bytes for its
+    /// rollback record): use [`Local::apply`] on a thread that may block. After an error
+    /// return `done` is not called; otherwise it is called exactly once.
+    pub fn apply_async(
+        self: &Arc<Self>,
+        w: &ShardWrite,
+        done: Box<dyn FnOnce(Option<Result<()>>) + Send>,
+    ) -> Result<bool> {
+        self.apply_with(w, Commit::Async(self.clone(), done))
+    }
+
+    fn apply_with(&self, w: &ShardWrite, how: Commit) -> Result<bool> {
         let st = self.store(w.pool, w.pg);
         let key = ObjectKey::new(w.pool, w.name, w.shard);
+        if matches!(how, Commit::Async(..))
+            && (w.kind != WriteKind::Full
+                || w.data.len() > ASYNC_APPLY_BYTES_MAX
+                || st.exists(&key))
+        {
+            return Ok(false);
+        }
         let cur = self.meta(st, &key)?;
         if w.base_version != BASE_ANY && cur.map_or(0, |m| m.version) != w.base_version {
             return Err(Error::remote(
@@ -545,19 +590,55 @@ impl Local {
                 t.remove(k.clone());
             }
         }
+        let applied = Applied {
+            pg: (w.pool, w.pg),
+            key,
+            log_key,
+            meta: w.meta,
+        };
         crate::optrack::event(crate::optrack::Ev::CommitStart, crate::optrack::NO_SHARD);
-        let r = st.commit(t);
-        crate::optrack::event(crate::optrack::Ev::CommitEnd, crate::optrack::NO_SHARD);
-        self.meta_cache.lock().unwrap().remove(&key);
-        r?;
+        match how {
+            Commit::Wait => {
+                let r = st.commit(t);
+                crate::optrack::event(crate::optrack::Ev::CommitEnd, crate::optrack::NO_SHARD);
+                self.applied(applied, r.is_ok());
+                r?;
+            }
+            Commit::Async(local, done) => {
+                self.meta_cache.lock().unwrap().remove(&applied.key);
+                st.commit_async(
+                    t,
+                    Box::new(move |r| {
+                        let r = match r {
+                            AsyncCommit::Durable(_) => Some(Ok(())),
+                            AsyncCommit::Raced => None,
+                            AsyncCommit::Failed(e) => Some(Err(e.into())),
+                        };
+                        local.applied(applied, matches!(r, Some(Ok(()))));
+                        done(r)
+                    }),
+                )?;
+            }
+        }
+        Ok(true)
+    }
+
+    /// Bookkeeping after a shard write's commit: the PG log gains its entry, the meta cache
+    /// the new state (or forgets the old one when the commit failed).
+    fn applied(&self, a: Applied, ok: bool) {
+        let mut cache = self.meta_cache.lock().unwrap();
+        if !ok {
+            cache.remove(&a.key);
+            return;
+        }
+        cache.insert(a.key, Some(a.meta));
+        drop(cache);
         self.pg_logs
             .lock()
             .unwrap()
-            .entry((w.pool, w.pg))
+            .entry(a.pg)
             .or_default()
-            .push_back(log_key);
-        self.meta_cache.lock().unwrap().insert(key, Some(w.meta));
-        Ok(())
+            .push_back(a.log_key);
     }
 
     /// Undo the write that produced `version_from` (it must be the shard's current version).
@@ -969,5 +1050,50 @@ mod store_tests {
         let reloaded = l.load_log(st, 1, 3);
         assert_eq!(reloaded.len(), PG_LOG_ENTRIES_MAX);
         assert!(reloaded.front().unwrap().name.ends_with(b"obj"));
+    }
+
+    /// The non-blocking path writes exactly what the blocking one does (data, metadata,
+    /// xattrs, log entry, an undo record that removes the shard), and declines every write it
+    /// could not do without reading the device.
+    #[test]
+    fn apply_async_matches_apply_and_declines_what_could_block() {
+        let (_d, sync) = local();
+        let (_d2, l) = local();
+        let l = Arc::new(l);
+        let w = full(10, b"first bytes", &[("a", b"1")]);
+        sync.apply(&w).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = tx.clone();
+        assert!(l
+            .apply_async(&w, Box::new(move |r| t.send(r).unwrap()))
+            .unwrap());
+        assert!(matches!(rx.recv().unwrap(), Some(Ok(()))));
+        assert_eq!(snapshot(&l), snapshot(&sync));
+        assert_eq!(l.log_window(1, 3), sync.log_window(1, 3));
+        assert_eq!(l.log_window(1, 3).0.len(), 1);
+        // The shard exists now: an overwrite must read the old bytes for its undo record.
+        let declined = |w: &ShardWrite| {
+            l.apply_async(w, Box::new(|_| panic!("declined writes are not applied")))
+                .unwrap()
+        };
+        assert!(!declined(&full(11, b"second", &[])));
+        // Too big for the copy, or not a create.
+        let big = vec![1u8; ASYNC_APPLY_BYTES_MAX + 1];
+        let mut other = full(12, &big, &[]);
+        other.name = b"other";
+        assert!(!declined(&other));
+        other.data = b"small";
+        other.kind = WriteKind::Range;
+        assert!(!declined(&other));
+        assert_eq!(snapshot(&l), snapshot(&sync));
+        // Its undo record removes the shard, as the blocking path's does.
+        let st = l.rollback(1, 3, b"obj", 2, 10).unwrap();
+        assert_eq!(st, ShardState::default());
+        // A version mismatch is an error from the call; nothing is applied.
+        let mut w = full(13, b"x", &[]);
+        w.base_version = 12;
+        let r = l.apply_async(&w, Box::new(|_| panic!("not applied")));
+        assert!(r.is_err());
+        assert_eq!(snapshot(&l).0, ShardState::default());
     }
 }

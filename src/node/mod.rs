@@ -84,7 +84,7 @@ struct Staged {
 pub struct Node {
     pub id: u32,
     pub cfg: NodeConfig,
-    pub local: Local,
+    pub local: Arc<Local>,
     pub monc: Arc<MonClient>,
     msgr: OnceLock<Arc<Messenger>>,
     peers: Mutex<HashMap<u32, Connection>>,
@@ -149,8 +149,8 @@ impl Dispatcher for NodeDispatcher {
         };
         match msg.msg_type() {
             wire::MSG_CLIENT_OP => node.enqueue_op(msg),
-            wire::MSG_SHARD_WRITE
-            | wire::MSG_SHARD_READ
+            wire::MSG_SHARD_WRITE => node.shard_write(msg),
+            wire::MSG_SHARD_READ
             | wire::MSG_SHARD_STAT
             | wire::MSG_SHARD_ROLLBACK
             | wire::MSG_SHARD_REPAIR => node.enqueue_shard_op(msg),
@@ -321,6 +321,11 @@ impl Node {
 
     /// Track a shard op and queue it for the shard threads (on the messenger worker).
     fn enqueue_shard_op(&self, msg: Incoming) {
+        let op = self.track_shard_op(&msg);
+        self.shard_q.push((msg, op));
+    }
+
+    fn track_shard_op(&self, msg: &Incoming) -> Arc<TrackedOp> {
         let kind = match msg.msg_type() {
             wire::MSG_SHARD_WRITE => "shard_write",
             wire::MSG_SHARD_READ => "shard_read",
@@ -340,7 +345,96 @@ impl Node {
         let op = self.perf.ops.begin(desc, msg.throttled());
         op.event(Ev::Queued, NO_SHARD);
         self.recovery.client_shard_queued.fetch_add(1, Relaxed);
-        self.shard_q.push((msg, op));
+        op
+    }
+
+    /// A shard write, on the messenger worker. One that creates its shard with a little data
+    /// (most small-object writes) is applied right here, without blocking, and answered from
+    /// the store's commit thread once durable: no hand-off to a shard thread and back. Any
+    /// other, or one that would wait (for a newer map, for a device read), goes to the shard
+    /// threads.
+    fn shard_write(self: &Arc<Self>, msg: Incoming) {
+        let op = self.track_shard_op(&msg);
+        if let Some((msg, op)) = self.shard_write_async(msg, op) {
+            self.shard_q.push((msg, op));
+        }
+    }
+
+    /// The non-blocking path of [`Node::shard_write`]; gives the op back when it does not
+    /// apply.
+    fn shard_write_async(
+        self: &Arc<Self>,
+        mut msg: Incoming,
+        op: Arc<TrackedOp>,
+    ) -> Option<(Incoming, Arc<TrackedOp>)> {
+        if !matches!(msg.peer(), Identity::Node(_)) {
+            return Some((msg, op));
+        }
+        // A view of the payload (no copy), so that `msg` can move into the callback.
+        let payload = msg.payload().clone();
+        let mut d = Dec::new(&payload);
+        let Ok(epoch) = d.u64() else {
+            return Some((msg, op));
+        };
+        let Ok(w) = ShardWrite::decode(&mut d) else {
+            return Some((msg, op));
+        };
+        if epoch > self.epoch()
+            || w.kind != local::WriteKind::Full
+            || w.data.len() > local::ASYNC_APPLY_BYTES_MAX
+            || self
+                .local
+                .store(w.pool, w.pg)
+                .exists(&store::ObjectKey::new(w.pool, w.name, w.shard))
+        {
+            return Some((msg, op));
+        }
+        op.event(Ev::Started, NO_SHARD);
+        let r = {
+            let _current = CurrentGuard::set(&op);
+            self.check_shard_sender(&msg, epoch, w.pool, w.pg)
+        };
+        if let Err(e) = r {
+            self.finish_shard_op(&mut msg, &op, Err(e));
+            return None;
+        }
+        // The callback owns the request from here; it comes back only if the call declines.
+        let slot = Arc::new(Mutex::new(Some((msg, op.clone()))));
+        let node = self.clone();
+        let cb_slot = slot.clone();
+        let done = Box::new(move |r: Option<Result<()>>| {
+            let Some((mut msg, op)) = cb_slot.lock().unwrap().take() else {
+                return;
+            };
+            op.event(Ev::CommitEnd, NO_SHARD);
+            match r {
+                Some(r) => {
+                    let r = r.map(|()| vec![SendBuf::Vec(wire::reply_ok(node.epoch(), &[]))]);
+                    node.finish_shard_op(&mut msg, &op, r);
+                }
+                // Lost a race (the cleaner moved something it read): the blocking path
+                // prepares it again.
+                None => node.shard_q.push((msg, op)),
+            }
+        });
+        let r = {
+            let _current = CurrentGuard::set(&op);
+            self.local.apply_async(&w, done)
+        };
+        match r {
+            Ok(true) => None,
+            Ok(false) => slot.lock().unwrap().take(),
+            Err(e) => {
+                let (mut msg, op) = slot.lock().unwrap().take()?;
+                self.finish_shard_op(&mut msg, &op, Err(e));
+                None
+            }
+        }
+    }
+
+    fn finish_shard_op(&self, msg: &mut Incoming, op: &Arc<TrackedOp>, r: Result<Vec<SendBuf>>) {
+        self.finish_op(msg, op, r);
+        self.recovery.client_shard_queued.fetch_sub(1, Relaxed);
     }
 
     fn shard_thread(self: Arc<Self>) {
@@ -350,8 +444,7 @@ impl Node {
                 let _current = CurrentGuard::set(&op);
                 self.shard_op(&msg)
             };
-            self.finish_op(&mut msg, &op, r);
-            self.recovery.client_shard_queued.fetch_sub(1, Relaxed);
+            self.finish_shard_op(&mut msg, &op, r);
         }
     }
 
@@ -729,7 +822,7 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
     let node = Arc::new(Node {
         id: cfg.id,
         cfg: cfg.clone(),
-        local: Local::new(stores),
+        local: Arc::new(Local::new(stores)),
         monc: monc.clone(),
         msgr: OnceLock::new(),
         peers: Mutex::new(HashMap::new()),

@@ -156,13 +156,17 @@ pub(crate) enum TxnResult {
     Failed(StoreError),
 }
 
-/// The commit thread's answer to one transaction. Its waiter parks at once: a channel's
-/// receiver spins and yields before parking, which on a few cores shared by many store
-/// threads costs more CPU than the wait itself. Dropped unanswered (the commit thread
-/// stopping), it wakes the waiter with "closed".
-pub(crate) struct Reply {
-    slot: Arc<ReplySlot>,
-    sent: bool,
+/// The commit thread's answer to one transaction: to a thread blocked in `Store::commit`, or
+/// a callback run on the commit thread (`Store::commit_async`). The waiter parks at once: a
+/// channel's receiver spins and yields before parking, which on a few cores shared by many
+/// store threads costs more CPU than the wait itself. Dropped unanswered (the commit thread
+/// stopping), it wakes the waiter with "closed" / calls the callback with `None`.
+pub(crate) struct Reply(ReplyTo);
+
+enum ReplyTo {
+    Waiter(Arc<ReplySlot>),
+    Call(Box<dyn FnOnce(Option<TxnResult>) + Send>),
+    Sent,
 }
 
 /// Waits for a [`Reply`].
@@ -178,32 +182,34 @@ pub(crate) struct ReplySlot {
 /// A reply and its waiter.
 pub(crate) fn reply_pair() -> (Reply, ReplyWaiter) {
     let slot = Arc::new(ReplySlot::default());
-    (
-        Reply {
-            slot: slot.clone(),
-            sent: false,
-        },
-        ReplyWaiter(slot),
-    )
+    (Reply(ReplyTo::Waiter(slot.clone())), ReplyWaiter(slot))
+}
+
+/// A reply that calls `f` on the commit thread (`None`: dropped unanswered).
+pub(crate) fn reply_call(f: Box<dyn FnOnce(Option<TxnResult>) + Send>) -> Reply {
+    Reply(ReplyTo::Call(f))
 }
 
 impl Reply {
     pub(crate) fn send(mut self, r: TxnResult) {
-        self.sent = true;
         self.put(Some(r));
     }
 
-    fn put(&self, r: Option<TxnResult>) {
-        *self.slot.v.lock().unwrap() = Some(r);
-        self.slot.cv.notify_one();
+    fn put(&mut self, r: Option<TxnResult>) {
+        match std::mem::replace(&mut self.0, ReplyTo::Sent) {
+            ReplyTo::Waiter(slot) => {
+                *slot.v.lock().unwrap() = Some(r);
+                slot.cv.notify_one();
+            }
+            ReplyTo::Call(f) => f(r),
+            ReplyTo::Sent => {}
+        }
     }
 }
 
 impl Drop for Reply {
     fn drop(&mut self) {
-        if !self.sent {
-            self.put(None);
-        }
+        self.put(None);
     }
 }
 

@@ -50,7 +50,7 @@ pub use reader::Reader;
 pub use scrub::{CorruptChunk, ScrubReport};
 pub use space::SpaceReport;
 pub use stats::StatsSnapshot;
-pub use txn::Transaction;
+pub use txn::{AsyncCommit, Transaction};
 
 /// Tunables of an open store (the on-disk format fixes block, segment and chunk sizes).
 #[derive(Debug, Clone)]

@@ -28,6 +28,16 @@ use crate::{Shared, Store};
 /// them into one write with their neighbours.
 const DMA_COPY_BYTES_MIN: u64 = 256 << 10;
 
+/// How a [`Store::commit_async`] ended.
+#[derive(Debug)]
+pub enum AsyncCommit {
+    /// Durable; the store's op sequence number it got.
+    Durable(u64),
+    /// Lost a race with another writer of one of its objects; nothing was applied.
+    Raced,
+    Failed(StoreError),
+}
+
 /// How many times a transaction is prepared again after losing a race.
 const CONFLICT_RETRIES_MAX: u32 = 1000;
 
@@ -524,6 +534,61 @@ impl<D: BlockDevice + 'static> Store<D> {
         Err(StoreError::Invalid(format!(
             "transaction lost {CONFLICT_RETRIES_MAX} races in a row against concurrent writers"
         )))
+    }
+
+    /// [`Store::commit`] without waiting: `done` runs on the commit thread once the transaction
+    /// is durable or has failed, and must be quick (it holds up the next round). The new data
+    /// is copied (this is meant for small writes), so `txn` may be dropped at once.
+    /// [`AsyncCommit::Raced`] means an object changed between preparation and commit: nothing
+    /// was applied; commit again. An error returned here (validation, a closed store) means
+    /// `done` was not called and will not be; otherwise it is called exactly once.
+    pub fn commit_async(
+        &self,
+        txn: Transaction<'_>,
+        done: Box<dyn FnOnce(AsyncCommit) + Send>,
+    ) -> Result<()> {
+        let tx = self.user_tx.as_ref().ok_or(StoreError::Closed)?;
+        let mut prepared = loop {
+            let mut seen = Vec::new();
+            match self.sh.prepare(&txn.ops, &mut seen) {
+                Err(StoreError::Corrupted { .. }) if self.sh.any_moved(&seen) => {
+                    self.sh.stats.txn_conflicts.inc();
+                }
+                other => break other?,
+            }
+        };
+        if prepared.muts.is_empty() {
+            done(AsyncCommit::Durable(
+                self.sh.stats.next_op_seq.get().saturating_sub(1),
+            ));
+            return Ok(());
+        }
+        // No Lent may outlive this call: copy the borrowed bytes.
+        for m in &mut prepared.muts {
+            if let MutOp::Put(p) = &mut m.op {
+                for c in &mut p.chunks {
+                    if let ChunkSrc::New(d @ DataRef::Lent(_), _) = c {
+                        *d = DataRef::Owned(d.bytes().to_vec());
+                    }
+                }
+            }
+        }
+        let sh = self.sh.clone();
+        let reply = crate::commit::reply_call(Box::new(move |r| {
+            done(match r {
+                Some(TxnResult::Committed { version }) => AsyncCommit::Durable(version),
+                Some(TxnResult::Conflict) => {
+                    sh.stats.txn_conflicts.inc();
+                    AsyncCommit::Raced
+                }
+                Some(TxnResult::Failed(e)) => AsyncCommit::Failed(e),
+                None => AsyncCommit::Failed(StoreError::Closed),
+            })
+        }));
+        // A send fails only once the commit thread has gone; the reply then drops with the
+        // message and calls `done` with `Failed(Closed)`.
+        let _ = tx.send(Msg::Txn(Box::new(prepared), reply));
+        Ok(())
     }
 
     pub fn write_full(&self, key: &ObjectKey, data: &[u8]) -> Result<u64> {

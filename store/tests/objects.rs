@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use nvstore_store::{mkfs, ObjectKey, Store, StoreConfig, StoreError, Transaction};
+use nvstore_store::{mkfs, AsyncCommit, ObjectKey, Store, StoreConfig, StoreError, Transaction};
 
 #[test]
 fn write_full_and_read_every_size() {
@@ -306,4 +306,78 @@ fn async_reader_keeps_many_reads_in_flight() {
         assert_eq!(got[&(i as u64)], d[lo..], "object {i}");
     }
     assert_eq!(r.in_flight(), 0);
+}
+
+#[test]
+fn commit_async_is_durable_when_it_says_so_and_owns_its_data() {
+    let (dev, s) = fresh(64, 11);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let n = 200u64;
+    for i in 0..n {
+        let mut d = data(i, 100 + i as usize * 37);
+        let mut t = Transaction::new();
+        t.write_full(key(&format!("a{i}")), &d);
+        t.set_xattr(key(&format!("a{i}")), "x", b"v");
+        let tx = tx.clone();
+        s.commit_async(t, Box::new(move |r| tx.send((i, r)).unwrap()))
+            .unwrap();
+        // The store copied what it needs: the caller's buffer is free at once.
+        d.fill(0xEE);
+        drop(d);
+    }
+    let mut versions = Vec::new();
+    for _ in 0..n {
+        let (i, r) = rx.recv().unwrap();
+        match r {
+            AsyncCommit::Durable(v) => versions.push((i, v)),
+            other => panic!("a{i}: {other:?}"),
+        }
+    }
+    // Every callback ran once, after its transaction became durable: a crash now (dropping
+    // every write not yet flushed) keeps all of them.
+    versions.sort();
+    assert_eq!(versions.len() as u64, n);
+    let crashed = dev.crash(5);
+    drop(s);
+    let (s, _) = Store::open(crashed, Some(FSID), StoreConfig::default()).unwrap();
+    for (i, v) in versions {
+        let k = key(&format!("a{i}"));
+        assert_eq!(
+            s.read_vec(&k, 0, u64::MAX).unwrap(),
+            data(i, 100 + i as usize * 37)
+        );
+        assert_eq!(s.stat(&k).unwrap().version, v);
+        assert_eq!(s.get_xattr(&k, "x").unwrap(), b"v");
+    }
+    // Validation errors come back from the call; the callback is not run.
+    let mut t = Transaction::new();
+    t.remove(key("absent"));
+    let called = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let c = called.clone();
+    let r = s.commit_async(
+        t,
+        Box::new(move |_| c.store(true, std::sync::atomic::Ordering::SeqCst)),
+    );
+    assert!(matches!(r, Err(StoreError::NotFound(_))), "{r:?}");
+    // A failed commit (an assert that no longer holds at commit time) reaches the callback.
+    let mut t = Transaction::new();
+    t.assert_version(key("a1"), 1);
+    t.write_full(key("a1"), b"new");
+    let r = s.commit_async(
+        t,
+        Box::new(move |_| panic!("not called: the version check fails at preparation")),
+    );
+    assert!(
+        matches!(r, Err(StoreError::VersionMismatch { .. })),
+        "{r:?}"
+    );
+    assert!(!called.load(std::sync::atomic::Ordering::SeqCst));
+    // A closed store's commit thread answers what it still holds.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut t = Transaction::new();
+    t.write_full(key("last"), b"bytes");
+    s.commit_async(t, Box::new(move |r| tx.send(r).unwrap()))
+        .unwrap();
+    s.close();
+    assert!(matches!(rx.recv().unwrap(), AsyncCommit::Durable(_)));
 }
