@@ -4,6 +4,15 @@
 //! This is the embedded default for laptops and CI. Semantics follow the contract in
 //! [`crate::device`]: a flush is `fdatasync` through the ring, FUA is `RWF_DSYNC`, write-zeroes
 //! is `fallocate(ZERO_RANGE)` and deallocate is `fallocate(PUNCH_HOLE)`.
+//!
+//! A regular file is sparse until written. A small durable write into a hole costs far more
+//! than one into written blocks: the file system allocates, and RWF_DSYNC / fdatasync then
+//! write the file's block map synchronously as well (several device commands, each a VM exit
+//! on a virtual disk). So, as databases do with their log files, a small FUA write that lands
+//! in a not yet filled 1 MiB region first fills that region's holes with zeros in one large
+//! write ([`Prefill`]); the region's later small writes are plain overwrites. Holes read as
+//! zeros, so this changes no content. Large writes, and plain writes (made durable together by
+//! one flush), allocate for themselves and fill nothing.
 
 use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
@@ -70,6 +79,164 @@ struct Inner {
     open_queues: AtomicU32,
     memory: Arc<HostMemory>,
     io: crate::iostats::IoCounters,
+    /// `None` for block devices (nothing to allocate).
+    prefill: Option<Prefill>,
+}
+
+/// Regions whose holes [`Prefill`] fills at once.
+const FILL_REGION_BYTES: u64 = 1 << 20;
+
+/// FUA writes up to this size fill their region's holes first (see the module docs).
+const FILL_WRITE_BYTES_MAX: u64 = 128 << 10;
+
+/// Which regions of a sparse file are known to have no holes, and how many writes are in
+/// flight in each. A region is filled only while none is: zeros written into a hole must not
+/// race a write of real data to the same blocks from another request.
+struct Prefill {
+    st: std::sync::Mutex<PrefillState>,
+    /// Regions filled, for `FileDevice::io_stats` readers and tests.
+    regions_filled: std::sync::atomic::AtomicU64,
+    bytes_filled: std::sync::atomic::AtomicU64,
+}
+
+struct PrefillState {
+    filled: Vec<bool>,
+    writing: Vec<u32>,
+    /// A region's worth of zeros, DMA-aligned for O_DIRECT (allocated on first use).
+    zeros: Option<DmaBuf>,
+    /// A fill failed: stop trying (it is only an optimisation).
+    disabled: bool,
+}
+
+impl Prefill {
+    fn new(bytes: u64) -> Prefill {
+        let n = bytes.div_ceil(FILL_REGION_BYTES) as usize;
+        Prefill {
+            st: std::sync::Mutex::new(PrefillState {
+                filled: vec![false; n],
+                writing: vec![0; n],
+                zeros: None,
+                disabled: false,
+            }),
+            regions_filled: Default::default(),
+            bytes_filled: Default::default(),
+        }
+    }
+
+    fn regions(offset: u64, len: u64) -> std::ops::Range<usize> {
+        let first = (offset / FILL_REGION_BYTES) as usize;
+        let last = ((offset + len.max(1) - 1) / FILL_REGION_BYTES) as usize;
+        first..last + 1
+    }
+
+    /// Before a write of `len` bytes at `offset` is submitted: fill the holes of the regions
+    /// it touches when it is a small durable (FUA) write and nothing else writes there; count
+    /// it as in flight. Only FUA writes pay the block-map sync per write; plain writes share
+    /// one flush, which syncs the map once for all of them.
+    fn before_write(&self, dev: &Inner, offset: u64, len: u64, fua: bool) {
+        let mut st = self.st.lock().unwrap();
+        let all = Self::regions(offset, len);
+        let range = all.start..all.end.min(st.filled.len());
+        if fua && len <= FILL_WRITE_BYTES_MAX && !st.disabled {
+            for r in range.clone() {
+                if !st.filled[r] && st.writing[r] == 0 {
+                    match self.fill(dev, &mut st, r) {
+                        Ok(()) => st.filled[r] = true,
+                        Err(e) => {
+                            st.disabled = true;
+                            tracing::warn!(device = %dev.name, error = %e,
+                                "could not fill holes ahead of small writes; writing into holes");
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        for r in range {
+            st.writing[r] += 1;
+        }
+    }
+
+    fn after_write(&self, offset: u64, len: u64) {
+        let mut st = self.st.lock().unwrap();
+        let n = st.filled.len();
+        for r in Self::regions(offset, len) {
+            if r < n {
+                st.writing[r] -= 1;
+            }
+        }
+    }
+
+    /// Holes may be back (punched, or zeroed into unwritten extents).
+    fn forget(&self, offset: u64, len: u64) {
+        let mut st = self.st.lock().unwrap();
+        let n = st.filled.len();
+        for r in Self::regions(offset, len) {
+            if r < n {
+                st.filled[r] = false;
+            }
+        }
+    }
+
+    /// Write zeros into every hole of region `r` (synchronously; the caller holds the lock,
+    /// and no write is in flight in the region).
+    fn fill(&self, dev: &Inner, st: &mut PrefillState, r: usize) -> std::io::Result<()> {
+        let fd = dev.file.as_raw_fd();
+        let lo = r as u64 * FILL_REGION_BYTES;
+        let size = dev.geometry.capacity_blocks * dev.geometry.block_size as u64;
+        let hi = (lo + FILL_REGION_BYTES).min(size);
+        if st.zeros.is_none() {
+            let buf = dev
+                .memory
+                .alloc(FILL_REGION_BYTES as usize)
+                .ok_or_else(|| std::io::Error::other("no memory for a zero buffer"))?;
+            st.zeros = Some(buf);
+        }
+        let zeros = st.zeros.as_ref().expect("allocated above").as_ptr();
+        let mut at = lo;
+        while at < hi {
+            // SAFETY: lseek on our open fd; no memory is passed.
+            let hole = unsafe { libc::lseek(fd, at as libc::off_t, libc::SEEK_HOLE) };
+            if hole < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let hole = hole as u64;
+            if hole >= hi {
+                break;
+            }
+            // SAFETY: as above.
+            let data = unsafe { libc::lseek(fd, hole as libc::off_t, libc::SEEK_DATA) };
+            let end = if data < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() != Some(libc::ENXIO) {
+                    return Err(e);
+                }
+                hi // no data after the hole
+            } else {
+                (data as u64).min(hi)
+            };
+            // Holes start and end on file system blocks; keep O_DIRECT's alignment anyway.
+            let a = hole & !(dev.geometry.block_size as u64 - 1);
+            let b = end.div_ceil(dev.geometry.block_size as u64) * dev.geometry.block_size as u64;
+            let b = b.min(hi);
+            let mut o = a;
+            while o < b {
+                let n = (b - o) as usize;
+                // SAFETY: `zeros` points at FILL_REGION_BYTES ≥ n bytes of our DMA buffer,
+                // which nothing writes (it stays zero); pwrite only reads it.
+                let w =
+                    unsafe { libc::pwrite(fd, zeros as *const libc::c_void, n, o as libc::off_t) };
+                if w <= 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                o += w as u64;
+            }
+            self.bytes_filled.fetch_add(b - a, Ordering::Relaxed);
+            at = b.max(hole + 1);
+        }
+        self.regions_filled.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
 }
 
 /// A file or block device. Cheap to share: queues hold an `Arc` of the open file.
@@ -139,7 +306,19 @@ impl FileDevice {
                 open_queues: AtomicU32::new(0),
                 memory: HostMemory::new(BUF_ALIGN_BYTES),
                 io: crate::iostats::IoCounters::default(),
+                prefill: (!meta.file_type().is_block_device()).then(|| Prefill::new(bytes)),
             }),
+        })
+    }
+
+    /// Regions whose holes were filled ahead of small writes, and the zero bytes written for
+    /// it (see the module docs).
+    pub fn prefill_stats(&self) -> (u64, u64) {
+        self.inner.prefill.as_ref().map_or((0, 0), |p| {
+            (
+                p.regions_filled.load(Ordering::Relaxed),
+                p.bytes_filled.load(Ordering::Relaxed),
+            )
         })
     }
 
@@ -405,6 +584,10 @@ impl FileQueue {
         let req = s.req.take().expect("completion for an empty slot");
         let expect = s.expect;
         self.free.push(slot);
+        if let (Some(p), Op::Write { .. }) = (&self.dev.prefill, req.op) {
+            let bs = self.dev.geometry.block_size as u64;
+            p.after_write(req.lba * bs, req.blocks as u64 * bs);
+        }
         let result = if res < 0 {
             Err(self.io_error(
                 req.op.name(),
@@ -585,6 +768,15 @@ impl QueueHandle for FileQueue {
         let inline = self.runs_inline(&req);
         let slot = self.free.pop().expect("checked non-empty");
         let bs = self.dev.geometry.block_size as u64;
+        if let Some(p) = &self.dev.prefill {
+            match req.op {
+                Op::Write { fua } => {
+                    p.before_write(&self.dev, req.lba * bs, req.blocks as u64 * bs, fua)
+                }
+                Op::WriteZeroes | Op::Deallocate => p.forget(req.lba * bs, req.blocks as u64 * bs),
+                _ => {}
+            }
+        }
         let expect = if req.op.has_data() {
             (req.blocks as u64 * bs) as usize
         } else {
@@ -798,5 +990,130 @@ mod tests {
         assert!(got[4096..8192].iter().all(|&b| b == 3));
         assert!(got[8192..12288].iter().all(|&b| b == 4));
         assert!(got[8 * 4096..8 * 4096 + big].iter().all(|&b| b == 2));
+    }
+
+    fn holes_in(dev: &FileDevice, lo: u64, hi: u64) -> bool {
+        let fd = dev.inner.file.as_raw_fd();
+        // SAFETY: lseek on an open fd.
+        let h = unsafe { libc::lseek(fd, lo as libc::off_t, libc::SEEK_HOLE) };
+        (h as u64) < hi
+    }
+
+    /// A small FUA write into a hole fills its 1 MiB region with zeros first (content
+    /// unchanged: holes read as zeros); large, plain, and overlapping-in-flight writes do not;
+    /// a punched region is filled again.
+    #[test]
+    fn small_durable_writes_fill_their_region_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = FileOptions {
+            engine: Engine::IoUring,
+            ..FileOptions::default()
+        };
+        let dev = FileDevice::create(&dir.path().join("d.img"), 16 << 20, opts).unwrap();
+        let mut q = dev.open_queue().unwrap();
+        let mut out: [Completion; 8] = Default::default();
+        let run = |q: &mut FileQueue, req: Request| {
+            let mut out: [Completion; 1] = Default::default();
+            q.submit(req).map_err(|e| e.kind).unwrap();
+            q.wait(&mut out, 1, Duration::from_secs(5)).unwrap();
+            assert!(out[0].result.is_ok());
+        };
+        let mib = 1u64 << 20;
+        assert!(holes_in(&dev, 5 * mib, 6 * mib));
+        // 4 KiB FUA write at 5 MiB + 8 KiB: region 5 is filled.
+        run(
+            &mut q,
+            Request::write((5 * mib + 8192) / 4096, 1, fill(&dev, 4096, 7), 0, true, 1),
+        );
+        assert_eq!(dev.prefill_stats(), (1, mib));
+        assert!(!holes_in(&dev, 5 * mib, 6 * mib));
+        let mut got = vec![0xAAu8; mib as usize];
+        let f = std::fs::File::open(dir.path().join("d.img")).unwrap();
+        std::os::unix::fs::FileExt::read_exact_at(&f, &mut got, 5 * mib).unwrap();
+        assert!(got[..8192].iter().all(|&b| b == 0));
+        assert!(got[8192..12288].iter().all(|&b| b == 7));
+        assert!(got[12288..].iter().all(|&b| b == 0));
+        // A second small write there fills nothing more.
+        run(
+            &mut q,
+            Request::write(5 * mib / 4096, 1, fill(&dev, 4096, 8), 0, true, 2),
+        );
+        assert_eq!(dev.prefill_stats(), (1, mib));
+        // A plain small write and a large FUA write allocate for themselves.
+        run(
+            &mut q,
+            Request::write(7 * mib / 4096, 1, fill(&dev, 4096, 1), 0, false, 3),
+        );
+        run(
+            &mut q,
+            Request::write(9 * mib / 4096, 64, fill(&dev, 256 << 10, 1), 0, true, 4),
+        );
+        assert_eq!(dev.prefill_stats().0, 1);
+        assert!(holes_in(&dev, 7 * mib, 8 * mib) && holes_in(&dev, 9 * mib, 10 * mib));
+        // While a write is in flight in a region, a small FUA write there does not fill it.
+        q.submit(Request::write(
+            11 * mib / 4096,
+            64,
+            fill(&dev, 256 << 10, 2),
+            0,
+            true,
+            5,
+        ))
+        .map_err(|e| e.kind)
+        .unwrap();
+        q.submit(Request::write(
+            (11 * mib + (512 << 10)) / 4096,
+            1,
+            fill(&dev, 4096, 3),
+            0,
+            true,
+            6,
+        ))
+        .map_err(|e| e.kind)
+        .unwrap();
+        let mut done = 0;
+        while done < 2 {
+            done += q.wait(&mut out, 1, Duration::from_secs(5)).unwrap();
+        }
+        assert_eq!(dev.prefill_stats().0, 1);
+        // Once idle again, it is.
+        run(
+            &mut q,
+            Request::write(
+                (11 * mib + (768 << 10)) / 4096,
+                1,
+                fill(&dev, 4096, 4),
+                0,
+                true,
+                7,
+            ),
+        );
+        assert_eq!(dev.prefill_stats().0, 2);
+        assert!(!holes_in(&dev, 11 * mib, 12 * mib));
+        std::os::unix::fs::FileExt::read_exact_at(&f, &mut got, 11 * mib).unwrap();
+        assert!(got[..256 << 10].iter().all(|&b| b == 2));
+        assert!(got[512 << 10..(512 << 10) + 4096].iter().all(|&b| b == 3));
+        assert!(got[768 << 10..(768 << 10) + 4096].iter().all(|&b| b == 4));
+        let zero = |r: std::ops::Range<usize>| got[r].iter().all(|&b| b == 0);
+        assert!(zero((256 << 10)..(512 << 10)) && zero(((768 << 10) + 4096)..mib as usize));
+        // Punched: holes again, and the next small FUA write fills the region again.
+        run(
+            &mut q,
+            Request {
+                op: Op::Deallocate,
+                lba: 5 * mib / 4096,
+                blocks: 256,
+                buf: None,
+                buf_offset: 0,
+                tag: 8,
+            },
+        );
+        assert!(holes_in(&dev, 5 * mib, 6 * mib));
+        run(
+            &mut q,
+            Request::write(5 * mib / 4096, 1, fill(&dev, 4096, 9), 0, true, 9),
+        );
+        assert_eq!(dev.prefill_stats().0, 3);
+        assert!(!holes_in(&dev, 5 * mib, 6 * mib));
     }
 }

@@ -105,6 +105,7 @@ impl Node {
         for st in &self.local.stores {
             let dev = store::Uuid(&st.label().device_uuid).to_string();
             let (t, sp, io) = (st.stats(), st.space(), st.device().io_stats());
+            let (fill_regions, fill_bytes) = st.device().prefill_stats();
             #[rustfmt::skip]
             let store: [Row; 16] = [
                 ("txns", C, t.txns, "Store transactions committed"),
@@ -125,7 +126,7 @@ impl Node {
                 ("segments_total", G, sp.segments_total, "Segments on the device"),
             ];
             #[rustfmt::skip]
-            let driver: [Row; 10] = [
+            let driver: [Row; 12] = [
                 ("reads", C, io.reads, "Device read commands"),
                 ("writes", C, io.writes, "Device write commands"),
                 ("flushes", C, io.flushes, "Device flush commands"),
@@ -136,6 +137,8 @@ impl Node {
                 ("errors", C, io.errors, "Device commands that failed"),
                 ("queue_depth", G, io.in_flight, "Device commands in flight now"),
                 ("queue_depth_max", G, io.in_flight_max, "Most device commands in flight at once"),
+                ("prefill_regions", C, fill_regions, "1 MiB regions of a sparse device file filled with zeros ahead of small durable writes"),
+                ("prefill_bytes", C, fill_bytes, "Zero bytes written to fill holes ahead of small durable writes"),
             ];
             let rounds = ROUND_BUCKET_NAMES.iter().zip(t.round_txns);
             let by_size: Vec<Row> = rounds
