@@ -113,6 +113,25 @@ impl DmaBuf {
         }
     }
 
+    /// Append `len` bytes at `offset` to `out`, copying straight into its spare capacity (no
+    /// zeroing pass first). Panics if the range is out of bounds.
+    pub fn append_to(&self, offset: usize, len: usize, out: &mut Vec<u8>) {
+        self.check(offset, len);
+        out.reserve(len);
+        let at = out.len();
+        // SAFETY: bounds checked above; `reserve` made room for `len` more bytes after `at`,
+        // which this copy initialises before `set_len` exposes them; the regions are distinct
+        // allocations.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                out.as_mut_ptr().add(at),
+                len,
+            );
+            out.set_len(at + len);
+        }
+    }
+
     /// Set `len` bytes at `offset` to `byte`.
     pub fn fill(&mut self, offset: usize, len: usize, byte: u8) {
         self.check(offset, len);
@@ -254,6 +273,10 @@ mod tests {
         assert_eq!(buf.crc32c(0, 4090, 11), crc32c::crc32c(b"hello world"));
         buf.fill(4090, 5, b'j');
         assert!(buf.eq_at(4090, b"jjjjj world"));
+        let mut v = b"abc".to_vec();
+        buf.append_to(4090, 11, &mut v);
+        buf.append_to(0, 2, &mut v);
+        assert_eq!(v, b"abcjjjjj world\0\0");
     }
 
     #[test]

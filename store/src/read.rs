@@ -96,9 +96,15 @@ impl ReadBuf {
         }
     }
 
+    /// The bytes in a new Vec (copied once; no zeroing pass first).
     pub fn to_vec(&self) -> Vec<u8> {
-        let mut v = vec![0u8; self.len()];
-        self.copy_to(&mut v);
+        let mut v = Vec::with_capacity(self.len());
+        for p in &self.parts {
+            match p {
+                Part::Data { buf, start, len } => buf.append_to(*start, *len, &mut v),
+                Part::Zeros(n) => v.resize(v.len() + n, 0),
+            }
+        }
         v
     }
 }
