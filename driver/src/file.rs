@@ -94,7 +94,7 @@ const FILL_WRITE_BYTES_MAX: u64 = 128 << 10;
 /// race a write of real data to the same blocks from another request.
 struct Prefill {
     st: std::sync::Mutex<PrefillState>,
-    /// Regions filled, for `FileDevice::io_stats` readers and tests.
+    /// Regions filled and zero bytes written, for [`FileDevice::prefill_stats`].
     regions_filled: std::sync::atomic::AtomicU64,
     bytes_filled: std::sync::atomic::AtomicU64,
 }
@@ -215,10 +215,11 @@ impl Prefill {
             } else {
                 (data as u64).min(hi)
             };
-            // Holes start and end on file system blocks; keep O_DIRECT's alignment anyway.
-            let a = hole & !(dev.geometry.block_size as u64 - 1);
-            let b = end.div_ceil(dev.geometry.block_size as u64) * dev.geometry.block_size as u64;
-            let b = b.min(hi);
+            // Only whole device blocks inside the hole (O_DIRECT's alignment; a hole that
+            // starts or ends mid-block, on a file system with smaller blocks, keeps those
+            // partial blocks as holes rather than risk zeroing a neighbour's data).
+            let bs = dev.geometry.block_size as u64;
+            let (a, b) = (hole.div_ceil(bs) * bs, end / bs * bs);
             let mut o = a;
             while o < b {
                 let n = (b - o) as usize;
@@ -226,13 +227,19 @@ impl Prefill {
                 // which nothing writes (it stays zero); pwrite only reads it.
                 let w =
                     unsafe { libc::pwrite(fd, zeros as *const libc::c_void, n, o as libc::off_t) };
-                if w <= 0 {
+                if w < 0 {
                     return Err(std::io::Error::last_os_error());
+                }
+                if w == 0 {
+                    return Err(std::io::Error::other(
+                        "zero-length write while filling a hole",
+                    ));
                 }
                 o += w as u64;
             }
-            self.bytes_filled.fetch_add(b - a, Ordering::Relaxed);
-            at = b.max(hole + 1);
+            self.bytes_filled
+                .fetch_add(b.saturating_sub(a), Ordering::Relaxed);
+            at = end.max(hole + 1);
         }
         self.regions_filled.fetch_add(1, Ordering::Relaxed);
         Ok(())

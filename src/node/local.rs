@@ -293,7 +293,6 @@ impl ShardState {
     }
 }
 
-/// The node's stores and the indexes it keeps over them.
 /// How [`Local::apply_with`] commits.
 enum Commit {
     /// Block until durable.
@@ -310,6 +309,7 @@ struct Applied {
     meta: ShardMeta,
 }
 
+/// The node's stores and the indexes it keeps over them.
 pub struct Local {
     pub stores: Vec<Store<FileDevice>>,
     meta_cache: Mutex<HashMap<ObjectKey, Option<ShardMeta>>>,

@@ -548,11 +548,16 @@ impl<D: BlockDevice + 'static> Store<D> {
         done: Box<dyn FnOnce(AsyncCommit) + Send>,
     ) -> Result<()> {
         let tx = self.user_tx.as_ref().ok_or(StoreError::Closed)?;
+        let mut tries = 0;
         let mut prepared = loop {
             let mut seen = Vec::new();
             match self.sh.prepare(&txn.ops, &mut seen) {
-                Err(StoreError::Corrupted { .. }) if self.sh.any_moved(&seen) => {
+                // A read for the preparation raced with the cleaner moving the object.
+                Err(StoreError::Corrupted { .. })
+                    if tries < CONFLICT_RETRIES_MAX && self.sh.any_moved(&seen) =>
+                {
                     self.sh.stats.txn_conflicts.inc();
+                    tries += 1;
                 }
                 other => break other?,
             }
