@@ -305,13 +305,28 @@ impl Node {
         reqs: Vec<(usize, Vec<SendBuf>)>,
         local: &dyn Fn(usize, Vec<SendBuf>) -> Result<Payload>,
     ) -> Vec<(usize, Result<Payload>)> {
-        let remote = reqs
-            .iter()
-            .filter(|(s, _)| ctx.up(*s).is_some_and(|n| n != self.id))
-            .count();
+        self.fan_out_with(ctx, msg_type, reqs, local, None)
+    }
+
+    /// [`Node::fan_out`], where `start_local` may start this node's slot without blocking:
+    /// `Ok(true)` means it took the callback and will call it exactly once (from any thread);
+    /// `Ok(false)` that it declined (then `local` runs here).
+    pub(super) fn fan_out_with(
+        &self,
+        ctx: &Ctx,
+        msg_type: u16,
+        reqs: Vec<(usize, Vec<SendBuf>)>,
+        local: &dyn Fn(usize, Vec<SendBuf>) -> Result<Payload>,
+        start_local: Option<&StartLocal>,
+    ) -> Vec<(usize, Result<Payload>)> {
+        let up_here = |s: usize, here: bool| ctx.up(s).is_some_and(|n| (n == self.id) == here);
+        let remote = reqs.iter().filter(|(s, _)| up_here(*s, false)).count();
+        let mine_n = reqs.iter().filter(|(s, _)| up_here(*s, true)).count();
         // Every remote request ends in exactly one push (reply, timeout, connection loss, or
-        // no connection), and this thread wakes once, when the last is in.
-        let replies = Arc::new(Gather::new(remote));
+        // no connection), and this thread wakes once, when the last is in. With `start_local`
+        // this node's slots push there too, so that waiting for them is the same one wake-up.
+        let expected = remote + if start_local.is_some() { mine_n } else { 0 };
+        let replies = Arc::new(Gather::new(expected));
         let op = optrack::current();
         let mut out = Vec::new();
         let mut mine = Vec::new();
@@ -349,9 +364,26 @@ impl Node {
         }
         for (slot, parts) in mine {
             optrack::event(Ev::SubOpSent, slot as u8);
-            let r = local(slot, parts);
+            let Some(start) = start_local else {
+                let r = local(slot, parts);
+                optrack::event(sub_op_ev(&r), slot as u8);
+                out.push((slot, r));
+                continue;
+            };
+            let (tx, op) = (replies.clone(), op.clone());
+            let done: LocalDone = Box::new(move |r| {
+                if let Some(op) = &op {
+                    op.event(sub_op_ev(&r), slot as u8);
+                }
+                tx.push((slot, r));
+            });
+            let r = match start(slot, done) {
+                Ok(true) => continue,
+                Ok(false) => local(slot, parts),
+                Err(e) => Err(e),
+            };
             optrack::event(sub_op_ev(&r), slot as u8);
-            out.push((slot, r));
+            replies.push((slot, r));
         }
         out.extend(replies.wait_all());
         out
@@ -1176,7 +1208,29 @@ impl Node {
                     self.local.apply(&write(s))?;
                     Ok(Payload::from_vec(Vec::new()))
                 };
-                for (slot, r) in self.fan_out(&sub, wire::MSG_SHARD_WRITE, reqs, &local) {
+                // A small create of this node's shard commits while the remote ones travel;
+                // its durability is one more reply to wait for, not a sleep of its own.
+                let start = |s: usize, done: LocalDone| -> Result<bool> {
+                    let op = optrack::current();
+                    self.local.apply_async(
+                        &write(s),
+                        Box::new(move |r| {
+                            if let Some(op) = &op {
+                                op.event(Ev::CommitEnd, optrack::NO_SHARD);
+                            }
+                            done(match r {
+                                Some(r) => r.map(|()| Payload::from_vec(Vec::new())),
+                                None => Err(Error::remote(
+                                    Status::Io,
+                                    "the local shard write lost a race with the cleaner",
+                                )),
+                            })
+                        }),
+                    )
+                };
+                let replies =
+                    self.fan_out_with(&sub, wire::MSG_SHARD_WRITE, reqs, &local, Some(&start));
+                for (slot, r) in replies {
                     match r {
                         Ok(_) => acked |= bit(slot),
                         // A member has heard from a newer primary of the PG: this node no
@@ -1275,6 +1329,11 @@ impl Fetched {
         v
     }
 }
+
+/// Called once with the outcome of this node's slot of a fan-out.
+pub(super) type LocalDone = Box<dyn FnOnce(Result<Payload>) + Send>;
+/// Starts this node's slot of a fan-out without blocking (see [`Node::fan_out_with`]).
+pub(super) type StartLocal<'a> = dyn Fn(usize, LocalDone) -> Result<bool> + 'a;
 
 /// The timeline event of a shard request's outcome.
 fn sub_op_ev<T>(r: &Result<T>) -> Ev {
