@@ -918,6 +918,17 @@ mod tests {
     use super::*;
     use crate::device::Request;
 
+    /// A 16 MiB sparse file through io_uring, and the directory that holds it.
+    fn uring_dev() -> (tempfile::TempDir, FileDevice) {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = FileOptions {
+            engine: Engine::IoUring,
+            ..FileOptions::default()
+        };
+        let dev = FileDevice::create(&dir.path().join("d.img"), 16 << 20, opts).unwrap();
+        (dir, dev)
+    }
+
     fn fill(dev: &FileDevice, len: usize, byte: u8) -> DmaBuf {
         let mut b = dev.alloc_buf(len).unwrap();
         b.write_at(0, &vec![byte; len]);
@@ -929,12 +940,7 @@ mod tests {
     /// Every one completes once, with its own tag, and the bytes land.
     #[test]
     fn small_durable_requests_run_inline_only_on_an_idle_queue() {
-        let dir = tempfile::tempdir().unwrap();
-        let opts = FileOptions {
-            engine: Engine::IoUring,
-            ..FileOptions::default()
-        };
-        let dev = FileDevice::create(&dir.path().join("d.img"), 16 << 20, opts).unwrap();
+        let (_dir, dev) = uring_dev();
         let mut q = dev.open_queue().unwrap();
         let mut out: [Completion; 8] = Default::default();
         // Idle: a 4 KiB FUA write is done when submit returns.
@@ -1011,12 +1017,7 @@ mod tests {
     /// a punched region is filled again.
     #[test]
     fn small_durable_writes_fill_their_region_first() {
-        let dir = tempfile::tempdir().unwrap();
-        let opts = FileOptions {
-            engine: Engine::IoUring,
-            ..FileOptions::default()
-        };
-        let dev = FileDevice::create(&dir.path().join("d.img"), 16 << 20, opts).unwrap();
+        let (dir, dev) = uring_dev();
         let mut q = dev.open_queue().unwrap();
         let mut out: [Completion; 8] = Default::default();
         let run = |q: &mut FileQueue, req: Request| {
