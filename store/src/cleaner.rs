@@ -149,7 +149,7 @@ impl<D: BlockDevice> Cleaner<D> {
         let mut pending: VecDeque<(ReplyWaiter, u64)> = VecDeque::new();
         let mut pending_bytes = 0u64;
         for key in keys.into_keys() {
-            let Some(m) = self.sh.index.get(&key).map(|e| e.value().clone()) else {
+            let Some(m) = self.sh.index_get(&key) else {
                 continue;
             };
             if !m.chunks.iter().chain([&m.xattrs]).any(in_seg) {

@@ -1000,7 +1000,14 @@ impl<D: BlockDevice> Committer<D> {
             for (m, mu) in a.txn.muts.iter().enumerate() {
                 match &a.new_metas[m] {
                     Some(meta) => {
+                        // Readers retry a miss while this is odd (`Shared::index_get`).
+                        self.sh
+                            .index_seq
+                            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                         self.sh.index.insert(mu.key.clone(), meta.clone());
+                        self.sh
+                            .index_seq
+                            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                     }
                     None => {
                         self.sh.index.remove(&mu.key);

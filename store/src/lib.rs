@@ -106,6 +106,8 @@ pub(crate) struct Shared<D: BlockDevice> {
     pub label: Label,
     pub config: StoreConfig,
     pub index: SkipMap<ObjectKey, Arc<ObjectMeta>>,
+    /// Odd while the commit thread replaces an index entry (see [`Shared::index_get`]).
+    pub index_seq: std::sync::atomic::AtomicU64,
     pub segs: Mutex<space::Segments>,
     pub stats: stats::Stats,
     pub read_queues: thread_local::ThreadLocal<RefCell<Option<D::Queue>>>,

@@ -508,6 +508,7 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
         label,
         config: config.clone(),
         index,
+        index_seq: Default::default(),
         segs: Mutex::new(segs),
         stats: Default::default(),
         read_queues: thread_local::ThreadLocal::new(),

@@ -468,10 +468,27 @@ impl<D: BlockDevice> Shared<D> {
     }
 
     pub(crate) fn lookup(&self, key: &ObjectKey) -> Result<Arc<ObjectMeta>> {
-        self.index
-            .get(key)
-            .map(|e| e.value().clone())
+        self.index_get(key)
             .ok_or_else(|| StoreError::NotFound(key.clone()))
+    }
+
+    /// The index entry of `key`. crossbeam-skiplist 0.1.3 replaces an existing key's entry in
+    /// two steps (its issue #1023, fixed upstream after that release), and a lookup in between
+    /// finds nothing: a reader would see an object that is being overwritten as missing. The
+    /// commit thread, the only writer, keeps `index_seq` odd while it replaces; a miss counts
+    /// only if no replace was under way before or during it, otherwise the lookup is retried.
+    pub(crate) fn index_get(&self, key: &ObjectKey) -> Option<Arc<ObjectMeta>> {
+        loop {
+            let before = self.index_seq.load(std::sync::atomic::Ordering::SeqCst);
+            if let Some(e) = self.index.get(key) {
+                return Some(e.value().clone());
+            }
+            let after = self.index_seq.load(std::sync::atomic::Ordering::SeqCst);
+            if before == after && before.is_multiple_of(2) {
+                return None;
+            }
+            std::hint::spin_loop();
+        }
     }
 
     pub(crate) fn load_xattrs(&self, m: &ObjectMeta) -> Result<BTreeMap<String, Vec<u8>>> {
@@ -527,7 +544,7 @@ impl<D: BlockDevice + 'static> Store<D> {
     }
 
     pub fn exists(&self, key: &ObjectKey) -> bool {
-        self.sh.index.contains_key(key)
+        self.sh.index_get(key).is_some()
     }
 
     /// Read `len` bytes at `offset` (clamped to the object's size) into DMA buffers.
@@ -588,7 +605,7 @@ impl<D: BlockDevice + 'static> Store<D> {
 
     /// The index entry of an object (for tools and tests).
     pub fn meta(&self, key: &ObjectKey) -> Option<Arc<ObjectMeta>> {
-        self.sh.index.get(key).map(|e| e.value().clone())
+        self.sh.index_get(key)
     }
 
     /// Where an object's data chunks sit on the device now: (byte offset, length) of each

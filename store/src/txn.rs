@@ -144,7 +144,7 @@ struct Obj {
 
 impl<D: BlockDevice> Shared<D> {
     fn load_obj(&self, key: &ObjectKey) -> Obj {
-        let cur = self.index.get(key).map(|e| e.value().clone());
+        let cur = self.index_get(key);
         let (exists, size, version, chunks) = match &cur {
             Some(m) => (
                 true,
@@ -454,7 +454,7 @@ impl<D: BlockDevice> Shared<D> {
     /// Whether any object changed state since `prepare` looked at it.
     fn any_moved(&self, seen: &[(ObjectKey, Option<u64>)]) -> bool {
         seen.iter()
-            .any(|(k, was)| self.index.get(k).map(|e| e.value().state_seq) != *was)
+            .any(|(k, was)| self.index_get(k).map(|m| m.state_seq) != *was)
     }
 
     /// Build the commit-thread form of a transaction; `seen` records the state of each object

@@ -381,3 +381,38 @@ fn commit_async_is_durable_when_it_says_so_and_owns_its_data() {
     s.close();
     assert!(matches!(rx.recv().unwrap(), AsyncCommit::Durable(_)));
 }
+
+/// A reader must never see an object vanish while another thread overwrites it: the index's
+/// replace of an existing key (crossbeam-skiplist 0.1.3, its issue #1023) has a moment where a
+/// lookup finds no entry; the store hides that moment from every lookup.
+#[test]
+fn overwrites_never_make_an_object_vanish_for_readers() {
+    let (_dev, s) = fresh(64, 12);
+    let k = key("hot");
+    s.write_full(&k, b"version 0").unwrap();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let misses = std::sync::atomic::AtomicU64::new(0);
+    std::thread::scope(|sc| {
+        for _ in 0..3 {
+            sc.spawn(|| {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    if !s.exists(&k) || s.meta(&k).is_none() || s.stat(&k).is_err() {
+                        misses.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    match s.read_vec(&k, 0, u64::MAX) {
+                        Ok(_) => {}
+                        Err(StoreError::NotFound(_)) => {
+                            misses.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+            });
+        }
+        for i in 0..3000u64 {
+            s.write_full(&k, format!("version {i}").as_bytes()).unwrap();
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    assert_eq!(misses.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
