@@ -478,6 +478,7 @@ impl<D: BlockDevice> Shared<D> {
     /// commit thread, the only writer, keeps `index_seq` odd while it replaces; a miss counts
     /// only if no replace was under way before or during it, otherwise the lookup is retried.
     pub(crate) fn index_get(&self, key: &ObjectKey) -> Option<Arc<ObjectMeta>> {
+        let mut tries = 0u32;
         loop {
             let before = self.index_seq.load(std::sync::atomic::Ordering::SeqCst);
             if let Some(e) = self.index.get(key) {
@@ -487,7 +488,14 @@ impl<D: BlockDevice> Shared<D> {
             if before == after && before.is_multiple_of(2) {
                 return None;
             }
-            std::hint::spin_loop();
+            // The replace takes microseconds, unless the commit thread was preempted inside
+            // it: then spinning would only keep it off the CPU.
+            tries += 1;
+            if tries < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
         }
     }
 
