@@ -84,7 +84,7 @@ pub enum ConfigCommand {
     /// Print a node's runtime settings as JSON
     Get(NodeArg),
     /// Change one runtime setting until the node restarts: read_coalescing (true|false),
-    /// slow_op_ms (milliseconds)
+    /// read_cache (true|false; false also empties it), slow_op_ms (milliseconds)
     Set {
         /// Node id
         node: u32,

@@ -43,6 +43,8 @@ pub struct LocalOptions {
     pub slow_op_ms: u64,
     /// Nodes' `read_coalescing` switch.
     pub read_coalescing: bool,
+    /// Nodes' `read_cache_bytes`.
+    pub read_cache_bytes: u64,
 }
 
 impl Default for LocalOptions {
@@ -58,6 +60,7 @@ impl Default for LocalOptions {
             op_threads: 8,
             slow_op_ms: 5000,
             read_coalescing: true,
+            read_cache_bytes: crate::node::local::READ_CACHE_BYTES_DEFAULT,
         }
     }
 }
@@ -152,6 +155,7 @@ impl LocalCluster {
                     scrub_interval_s: 7 * 24 * 3600,
                     read_coalescing: o.read_coalescing,
                     hot_cache_bytes: crate::node::hot::CACHE_BYTES_DEFAULT,
+                    read_cache_bytes: o.read_cache_bytes,
                 },
             )?;
         }

@@ -123,6 +123,10 @@ pub struct NodeConfig {
     /// Bytes of hot objects' data a node caches.
     #[serde(default = "default_hot_cache_bytes")]
     pub hot_cache_bytes: u64,
+    /// Bytes of memory per device for the store's cache of small reads (`store/src/cache.rs`;
+    /// 0: none).
+    #[serde(default = "default_read_cache_bytes")]
+    pub read_cache_bytes: u64,
 }
 
 /// 5 s: far above a healthy op (milliseconds) yet clear of the stalls a busy shared test
@@ -141,6 +145,9 @@ fn default_true() -> bool {
 }
 fn default_hot_cache_bytes() -> u64 {
     crate::node::hot::CACHE_BYTES_DEFAULT
+}
+fn default_read_cache_bytes() -> u64 {
+    crate::node::local::READ_CACHE_BYTES_DEFAULT
 }
 
 fn default_busy_poll_us() -> u64 {

@@ -24,6 +24,8 @@ pub const MSG_CLIENT_STAGE: u16 = 21;
 pub const MSG_CLIENT_LIST: u16 = 22;
 pub const MSG_SHARD_WRITE: u16 = 30;
 pub const MSG_SHARD_READ: u16 = 31;
+/// `MSG_SHARD_READ` flag: read the device, not the member's read cache (scrub).
+pub const SHARD_READ_FROM_DEVICE: u8 = 1;
 pub const MSG_SHARD_STAT: u16 = 32;
 pub const MSG_SHARD_ROLLBACK: u16 = 33;
 // Recovery (src/node/recovery.rs): served on the members' low-priority queue.
@@ -229,6 +231,14 @@ impl<'a> Dec<'a> {
     pub fn str(&mut self) -> Result<&'a str> {
         std::str::from_utf8(self.bytes()?)
             .map_err(|_| Error::Malformed("string is not UTF-8".into()))
+    }
+    /// A trailing flags byte that older senders leave out: 0 when the message ends here.
+    pub fn opt_flags(&mut self) -> Result<u8> {
+        if self.at == self.b.len() {
+            Ok(0)
+        } else {
+            self.u8()
+        }
     }
     /// Offset of the next unread byte.
     pub fn pos(&self) -> usize {

@@ -99,6 +99,29 @@ fn scrub_pass(h: &Harness) -> ScrubStats {
     sum
 }
 
+/// One store sample (`perf dump`'s `store.by_device.<device>.<name>`) summed over every
+/// device of every up node.
+fn cache_total(c: &Client, name: &str) -> u64 {
+    let ups: Vec<u32> = c
+        .map()
+        .nodes
+        .values()
+        .filter(|n| n.up)
+        .map(|n| n.id)
+        .collect();
+    let mut sum = 0;
+    for n in ups {
+        let d = c.perf_dump(n).unwrap();
+        let devs = d["store"]["by_device"]
+            .as_object()
+            .expect("store.by_device");
+        for v in devs.values() {
+            sum += v[name].as_u64().unwrap_or_else(|| panic!("{name} in {v}"));
+        }
+    }
+    sum
+}
+
 fn totals(c: &Client) -> ScrubStats {
     let mut sum = ScrubStats::default();
     for n in c.map().nodes.values().filter(|n| n.up) {
@@ -135,6 +158,17 @@ fn flipped_bits_are_never_read_and_scrub_repairs_them() {
     // whose not yet checkpointed log holds a flipped bit reopens past it and asks for scrubs,
     // which would muddle this test's counts; `a_node_whose_log_rotted_...` tests that.)
     resume_after_crash(&h, pool);
+
+    // Every shard read twice, so the members' read caches hold them: the scrub below must
+    // still find the flips, which it can only by reading the devices.
+    for _ in 0..2 {
+        for (name, data) in &objects {
+            assert!(c.get(pool, name.as_bytes()).unwrap() == *data, "{name}");
+        }
+    }
+    let cache_hits = cache_total(c, "read_cache_hits");
+    println!("read cache: {cache_hits} hits before the flips");
+    assert!(cache_hits > 0, "the second reads came from the read caches");
 
     // Round 1: one bit in each of 10 distinct shards (data and parity, several nodes); the
     // scrub finds every one and rebuilds it.
@@ -204,7 +238,17 @@ fn flipped_bits_are_never_read_and_scrub_repairs_them() {
     }
 
     // Round 2: flips in data shards of 6 objects; reads return exact bytes (read around the
-    // corrupt shard) and repair them after replying.
+    // corrupt shard) and repair them after replying. The reads must reach the devices to meet
+    // the flips: the read caches (which would serve the good bytes) are switched off.
+    for n in 1..=NODES {
+        let v = c.config(n, Some(("read_cache", "false"))).unwrap();
+        assert_eq!(v["read_cache"], false, "{v}");
+    }
+    assert_eq!(
+        cache_total(c, "read_cache_bytes"),
+        0,
+        "switched off = emptied"
+    );
     let before = totals(c);
     let mut hit = BTreeSet::new();
     let mut nodes_hit = BTreeSet::new();

@@ -21,6 +21,8 @@ const ROLLBACK_INLINE_BYTES_MAX: usize = 32 << 10;
 /// Shard writes up to this size that create their shard are applied without blocking, on the
 /// thread that received them ([`Local::apply_async`]); their data is copied once.
 pub const ASYNC_APPLY_BYTES_MAX: usize = 64 << 10;
+/// Default `read_cache_bytes`: memory per device for the store's cache of small reads.
+pub const READ_CACHE_BYTES_DEFAULT: u64 = 64 << 20;
 /// Per-PG log entries a member keeps.
 pub const PG_LOG_ENTRIES_MAX: usize = 512;
 pub const SHARD_ROLLBACK_BIT: u8 = 0x80;
@@ -387,7 +389,8 @@ impl Local {
         })
     }
 
-    /// Read `len` bytes at `offset` of the shard, if it is at `version`.
+    /// Read `len` bytes at `offset` of the shard, if it is at `version`; with `cached`, from
+    /// the store's read cache when it holds them, else from the device (scrub, recovery).
     #[allow(clippy::too_many_arguments)]
     pub fn read(
         &self,
@@ -398,6 +401,7 @@ impl Local {
         version: u64,
         offset: u64,
         len: u64,
+        cached: bool,
     ) -> Result<Vec<u8>> {
         let st = self.store(pool, pg);
         let key = ObjectKey::new(pool, name, shard);
@@ -411,7 +415,12 @@ impl Local {
         if len == 0 {
             return Ok(Vec::new());
         }
-        match st.read_vec(&key, offset, len) {
+        let r = if cached {
+            st.read(&key, offset, len)
+        } else {
+            st.read_uncached(&key, offset, len)
+        };
+        match r.map(|b| b.to_vec()) {
             Ok(v) => Ok(v),
             Err(StoreError::NotFound(_)) => Ok(Vec::new()),
             Err(e) => Err(e.into()),
@@ -958,7 +967,7 @@ mod store_tests {
         let data = if v == 0 {
             Vec::new()
         } else {
-            l.read(1, 3, b"obj", 2, v, 0, u64::MAX).unwrap()
+            l.read(1, 3, b"obj", 2, v, 0, u64::MAX, true).unwrap()
         };
         (st, data)
     }

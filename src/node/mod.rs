@@ -542,8 +542,11 @@ impl Node {
                         let version = d.u64()?;
                         let off = d.u64()?;
                         let len = d.u64()?;
+                        let cached = d.opt_flags()? & wire::SHARD_READ_FROM_DEVICE == 0;
                         d.end()?;
-                        let data = self.local.read(pool, pg, name, shard, version, off, len)?;
+                        let data = self
+                            .local
+                            .read(pool, pg, name, shard, version, off, len, cached)?;
                         e.u32(data.len() as u32);
                         return Ok(vec![SendBuf::Vec(e.finish()), SendBuf::Vec(data)]);
                     }
@@ -762,6 +765,7 @@ fn open_devices(cfg: &NodeConfig, fsid: &[u8; 16]) -> Result<Vec<Store<FileDevic
         // rebuilt from their peers (salvage.rs).
         let config = StoreConfig {
             salvage: true,
+            read_cache_bytes: cfg.read_cache_bytes,
             ..StoreConfig::default()
         };
         let (st, report) = Store::open(dev, Some(*fsid), config)?;

@@ -106,8 +106,9 @@ impl Node {
             let dev = store::Uuid(&st.label().device_uuid).to_string();
             let (t, sp, io) = (st.stats(), st.space(), st.device().io_stats());
             let (fill_regions, fill_bytes) = st.device().prefill_stats();
+            let cache = st.cache_stats();
             #[rustfmt::skip]
-            let store: [Row; 16] = [
+            let store: [Row; 19] = [
                 ("txns", C, t.txns, "Store transactions committed"),
                 ("user_bytes", C, t.user_bytes, "Object data bytes written by users"),
                 ("device_bytes_written", C, t.device_bytes_written, "Bytes written to the device"),
@@ -121,6 +122,9 @@ impl Node {
                 ("reads", C, t.reads, "Store reads"),
                 ("read_bytes", C, t.read_bytes, "Bytes read by the store"),
                 ("corrupt_reads", C, t.corrupt_reads, "Reads that found a crc mismatch"),
+                ("read_cache_hits", C, cache.hits, "Small reads served from the read cache"),
+                ("read_cache_misses", C, cache.misses, "Small reads that went to the device"),
+                ("read_cache_bytes", G, cache.bytes, "Bytes held by the read cache"),
                 ("live_bytes", G, sp.live_bytes, "Live bytes in the store"),
                 ("segments_free", G, sp.segments_free, "Free segments"),
                 ("segments_total", G, sp.segments_total, "Segments on the device"),
@@ -320,6 +324,7 @@ impl Node {
         json!({
             "node": self.id,
             "read_coalescing": self.hot.enabled(),
+            "read_cache": self.local.stores.iter().any(|s| s.cache_stats().capacity > 0),
             "slow_op_ms": self.perf.ops.threshold().as_millis() as u64,
         })
     }
@@ -340,6 +345,16 @@ impl Node {
                 };
                 self.hot.set_enabled(on, self.cfg.hot_cache_bytes);
             }
+            "read_cache" => {
+                let on = match value {
+                    "true" | "on" | "1" => true,
+                    "false" | "off" | "0" => false,
+                    _ => return Err(bad("true or false")),
+                };
+                for st in &self.local.stores {
+                    st.set_read_cache(on);
+                }
+            }
             "slow_op_ms" => {
                 let ms: u64 = value
                     .parse()
@@ -350,8 +365,8 @@ impl Node {
                 return Err(Error::remote(
                     Status::Invalid,
                     format!(
-                        "no runtime setting {key:?}; settable: read_coalescing, slow_op_ms \
-                         (others need node.toml and a restart)"
+                        "no runtime setting {key:?}; settable: read_coalescing, read_cache, \
+                         slow_op_ms (others need node.toml and a restart)"
                     ),
                 ))
             }

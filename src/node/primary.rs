@@ -421,7 +421,12 @@ impl Node {
                 match t {
                     wire::MSG_SHARD_READ => {
                         let (v, off, len) = (d.u64()?, d.u64()?, d.u64()?);
-                        e.bytes(&self.local.read(pool, pg, name, shard, v, off, len)?);
+                        let cached = d.opt_flags()? & wire::SHARD_READ_FROM_DEVICE == 0;
+                        e.bytes(
+                            &self
+                                .local
+                                .read(pool, pg, name, shard, v, off, len, cached)?,
+                        );
                     }
                     wire::MSG_SHARD_STAT => self.local.stat(pool, pg, name, shard)?.encode(&mut e),
                     _ => {

@@ -526,7 +526,11 @@ impl Node {
                 let shard = d.u8()?;
                 let (version, off, len) = (d.u64()?, d.u64()?, d.u64()?);
                 d.end()?;
-                let data = self.local.read(pool, pg, name, shard, version, off, len)?;
+                // From the device: recovery checks what the medium holds and leaves the
+                // clients' cache alone.
+                let data = self
+                    .local
+                    .read(pool, pg, name, shard, version, off, len, false)?;
                 e.u32(data.len() as u32);
                 return Ok(vec![SendBuf::Vec(e.finish()), SendBuf::Vec(data)]);
             }
@@ -794,7 +798,7 @@ impl Node {
             wire::MSG_RECOVERY_READ => {
                 let (pool, pg, name, shard) = (d.u64()?, d.u32()?, d.bytes()?, d.u8()?);
                 let (v, off, len) = (d.u64()?, d.u64()?, d.u64()?);
-                e.bytes(&self.local.read(pool, pg, name, shard, v, off, len)?);
+                e.bytes(&self.local.read(pool, pg, name, shard, v, off, len, false)?);
             }
             wire::MSG_PG_LOG => {
                 let (pool, pg) = (d.u64()?, d.u32()?);

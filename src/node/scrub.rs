@@ -542,7 +542,11 @@ impl Node {
                 continue;
             }
             let mut e = self.shard_req_head(ctx, name, s);
-            e.u64(st.version).u64(0).u64(len);
+            // From the device: a cached copy would hide rot on the medium.
+            e.u64(st.version)
+                .u64(0)
+                .u64(len)
+                .u8(wire::SHARD_READ_FROM_DEVICE);
             reqs.push((s, vec![SendBuf::Vec(e.finish())]));
         }
         let local = self.local_small(wire::MSG_SHARD_READ);

@@ -15,6 +15,7 @@
 //! * Restart reads the latest checkpoint and replays only the log written since it.
 
 pub mod bench;
+pub mod cache;
 mod cleaner;
 mod commit;
 mod emit;
@@ -39,6 +40,7 @@ use crossbeam::channel::Sender;
 use crossbeam_skiplist::SkipMap;
 use driver::BlockDevice;
 
+pub use cache::CacheStats;
 pub use error::{Result, StoreError};
 pub use key::{ObjectKey, NAME_BYTES_MAX, OBJECT_BYTES_MAX, XATTR_BYTES_MAX};
 pub use meta::{chunk_digest, content_checksum, ObjectMeta};
@@ -74,6 +76,8 @@ pub struct StoreConfig {
     /// For stores whose data has redundancy elsewhere (a cluster node); a lone store keeps the
     /// default, which refuses the open rather than lose acknowledged data silently.
     pub salvage: bool,
+    /// Bytes of memory for the read cache of small reads ([`cache`]); 0: no cache.
+    pub read_cache_bytes: u64,
 }
 
 /// When and how fast the background scrub runs.
@@ -93,6 +97,7 @@ impl Default for StoreConfig {
             cleaner: true,
             scrub: None,
             salvage: false,
+            read_cache_bytes: 0,
         }
     }
 }
@@ -116,6 +121,8 @@ pub(crate) struct Shared<D: BlockDevice> {
     pub last_scrub: Mutex<Option<ScrubReport>>,
     /// What a salvage open got past (empty when nothing was damaged).
     pub salvaged: Vec<Salvaged>,
+    /// Verified chunks of small reads (`None` with `read_cache_bytes` 0).
+    pub cache: Option<cache::ReadCache>,
 }
 
 /// An open store on a device. Share it between threads by reference (or `Arc`); every method
@@ -149,6 +156,24 @@ impl<D: BlockDevice + 'static> Store<D> {
 
     pub fn stats(&self) -> StatsSnapshot {
         self.sh.stats.snapshot()
+    }
+
+    /// Switch the read cache on or off at run time (off drops its contents; on again starts
+    /// empty). Without `read_cache_bytes` there is no cache and this does nothing; returns
+    /// whether there is one.
+    pub fn set_read_cache(&self, on: bool) -> bool {
+        if let Some(c) = &self.sh.cache {
+            c.set_enabled(on);
+        }
+        self.sh.cache.is_some()
+    }
+
+    /// The read cache's counters (all zero without a cache).
+    pub fn cache_stats(&self) -> CacheStats {
+        self.sh
+            .cache
+            .as_ref()
+            .map_or_else(CacheStats::default, |c| c.stats())
     }
 
     /// Space accounting: used, free, reclaimable.

@@ -501,6 +501,7 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
     drop(q);
 
     let label = Label::from_sb(&sb);
+    let gens = segs.gens.clone();
     let sh = Arc::new(Shared {
         name,
         layout,
@@ -515,6 +516,8 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
         spare_queue: Mutex::new(None),
         last_scrub: Mutex::new(None),
         salvaged: report.salvaged.clone(),
+        cache: (config.read_cache_bytes > 0)
+            .then(|| crate::cache::ReadCache::new(config.read_cache_bytes, gens)),
         dev,
     });
     *sh.spare_queue.lock().unwrap() = Some(sh.dev.open_queue()?);

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use driver::{BlockDevice, Completion, DmaBuf, QueueHandle, Request};
 
+use crate::cache::{Cached, ReadCache, ADMIT_CHUNK_BYTES, ADMIT_READ_BYTES};
 use crate::error::{Result, StoreError};
 use crate::format::{round_up, ChunkRef};
 use crate::key::ObjectKey;
@@ -51,6 +52,21 @@ pub enum Part {
     },
     /// A hole: zeros.
     Zeros(usize),
+    /// `len` bytes at `start` of a chunk held by the read cache.
+    Cached {
+        chunk: Arc<Cached>,
+        start: usize,
+        len: usize,
+    },
+}
+
+impl Part {
+    fn len(&self) -> usize {
+        match self {
+            Part::Data { len, .. } | Part::Cached { len, .. } => *len,
+            Part::Zeros(n) => *n,
+        }
+    }
 }
 
 /// The bytes of a read, in order, left where the device put them.
@@ -63,13 +79,7 @@ pub struct ReadBuf {
 
 impl ReadBuf {
     pub fn len(&self) -> usize {
-        self.parts
-            .iter()
-            .map(|p| match p {
-                Part::Data { len, .. } => *len,
-                Part::Zeros(n) => *n,
-            })
-            .sum()
+        self.parts.iter().map(Part::len).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -85,14 +95,15 @@ impl ReadBuf {
         );
         let mut at = 0;
         for p in &self.parts {
+            let to = &mut out[at..at + p.len()];
             match p {
-                Part::Data { buf, start, len } => buf.read_at(*start, &mut out[at..at + len]),
-                Part::Zeros(n) => out[at..at + n].fill(0),
+                Part::Data { buf, start, .. } => buf.read_at(*start, to),
+                Part::Zeros(_) => to.fill(0),
+                Part::Cached { chunk, start, len } => {
+                    to.copy_from_slice(&chunk.bytes()[*start..start + len])
+                }
             }
-            at += match p {
-                Part::Data { len, .. } => *len,
-                Part::Zeros(n) => *n,
-            };
+            at += p.len();
         }
     }
 
@@ -103,6 +114,9 @@ impl ReadBuf {
             match p {
                 Part::Data { buf, start, len } => buf.append_to(*start, *len, &mut v),
                 Part::Zeros(n) => v.resize(v.len() + n, 0),
+                Part::Cached { chunk, start, len } => {
+                    v.extend_from_slice(&chunk.bytes()[*start..start + len])
+                }
             }
         }
         v
@@ -357,11 +371,84 @@ impl<D: BlockDevice> Shared<D> {
         Ok(self.assemble(m, offset, end, first, loc, bufs))
     }
 
-    fn read_meta(&self, m: &ObjectMeta, offset: u64, len: u64) -> Result<ReadBuf> {
+    /// Read a range of the object `m` (the index entry of `key`) from the device. With
+    /// `fill`, a small read keeps copies of its chunks in the read cache.
+    fn read_meta(
+        &self,
+        key: &ObjectKey,
+        m: &ObjectMeta,
+        offset: u64,
+        len: u64,
+        fill: bool,
+    ) -> Result<ReadBuf> {
         let (refs, first, end) = self.refs_for(m, offset, len);
+        let fill = self.cache.as_ref().filter(|c| {
+            fill && c.enabled()
+                && end.saturating_sub(offset) <= ADMIT_READ_BYTES
+                && refs.iter().all(|r| r.len.get() <= ADMIT_CHUNK_BYTES)
+        });
+        // Sampled before the read: see the cache module on why that makes an entry exact.
+        let gens: Vec<u32> = match fill {
+            Some(c) => refs
+                .iter()
+                .map(|r| match r.len.get() {
+                    0 => 0,
+                    _ => c.gen(self.layout.segment_of(r.offset.get())),
+                })
+                .collect(),
+            None => Vec::new(),
+        };
         let (bufs, loc) = self.read_refs(&refs, "object chunk")?;
+        if let Some(c) = fill {
+            c.miss();
+            if !self.moved(key, m) {
+                for ((r, &(b, at)), gen) in refs.iter().zip(&loc).zip(gens) {
+                    if b != usize::MAX {
+                        let mut v = Vec::with_capacity(r.len.get() as usize);
+                        bufs[b].append_to(at, r.len.get() as usize, &mut v);
+                        c.insert(r, gen, v);
+                    }
+                }
+            }
+        }
         let mut bufs: Vec<Option<DmaBuf>> = bufs.into_iter().map(Some).collect();
         Ok(self.assemble(m, offset, end, first, &loc, &mut bufs))
+    }
+
+    /// A small read of the object `m` served from the read cache, if every chunk it needs is
+    /// there.
+    fn read_cached(&self, c: &ReadCache, m: &ObjectMeta, offset: u64, len: u64) -> Option<ReadBuf> {
+        let (refs, first, end) = self.refs_for(m, offset, len);
+        if refs.is_empty() || end - offset > ADMIT_READ_BYTES {
+            return None;
+        }
+        let cb = self.chunk_bytes;
+        let mut out = ReadBuf {
+            parts: Vec::with_capacity(refs.len()),
+            version: m.version,
+        };
+        for (i, r) in refs.iter().enumerate() {
+            let ci = (first + i) as u64;
+            let lo = (ci * cb).max(offset);
+            let want = (((ci + 1) * cb).min(end) - lo) as usize;
+            if r.len.get() == 0 {
+                out.parts.push(Part::Zeros(want));
+                continue;
+            }
+            let chunk = c.get(r, self.layout.segment_of(r.offset.get()))?;
+            let start = (lo - ci * cb) as usize;
+            let have = chunk.bytes().len().saturating_sub(start).min(want);
+            out.parts.push(Part::Cached {
+                chunk,
+                start,
+                len: have,
+            });
+            if have < want {
+                out.parts.push(Part::Zeros(want - have));
+            }
+        }
+        c.hit();
+        Some(out)
     }
 
     /// Several reads in one go from the calling thread: every object's IOs are in flight
@@ -388,7 +475,7 @@ impl<D: BlockDevice> Shared<D> {
                 // A device error: fall back to one read each, so each gets its own result.
                 return reqs
                     .iter()
-                    .map(|(k, o, l)| self.read_object(k, *o, *l))
+                    .map(|(k, o, l)| self.read_object(k, *o, *l, false))
                     .collect();
             }
         };
@@ -428,17 +515,35 @@ impl<D: BlockDevice> Shared<D> {
                 }
                 // Moved underneath (or really corrupt): the single-read path retries or
                 // reports it.
-                Err(_) => out.push(self.read_object(key, *off, *len)),
+                Err(_) => out.push(self.read_object(key, *off, *len, false)),
             }
         }
         out
     }
 
-    pub(crate) fn read_object(&self, key: &ObjectKey, offset: u64, len: u64) -> Result<ReadBuf> {
+    /// Read a range of `key`; with `cached`, from the read cache when it holds the chunks
+    /// (and filling it when it does not).
+    pub(crate) fn read_object(
+        &self,
+        key: &ObjectKey,
+        offset: u64,
+        len: u64,
+        cached: bool,
+    ) -> Result<ReadBuf> {
         let mut attempt = 0;
         loop {
             let m = self.lookup(key)?;
-            match self.read_meta(&m, offset, len) {
+            if let Some(r) = self
+                .cache
+                .as_ref()
+                .filter(|c| cached && c.enabled())
+                .and_then(|c| self.read_cached(c, &m, offset, len))
+            {
+                self.stats.reads.inc();
+                self.stats.read_bytes.add(r.len() as u64);
+                return Ok(r);
+            }
+            match self.read_meta(key, &m, offset, len, cached) {
                 Err(StoreError::Corrupted { .. })
                     if attempt < READ_RETRIES_MAX && self.moved(key, &m) =>
                 {
@@ -555,13 +660,21 @@ impl<D: BlockDevice + 'static> Store<D> {
         self.sh.index_get(key).is_some()
     }
 
-    /// Read `len` bytes at `offset` (clamped to the object's size) into DMA buffers.
+    /// Read `len` bytes at `offset` (clamped to the object's size) into DMA buffers, or from
+    /// the read cache when it holds them (see [`crate::cache`]).
     pub fn read(&self, key: &ObjectKey, offset: u64, len: u64) -> Result<ReadBuf> {
-        self.sh.read_object(key, offset, len)
+        self.sh.read_object(key, offset, len, true)
+    }
+
+    /// Like [`Store::read`], but always from the device, checking every chunk's crc32c there
+    /// (scrubs and repairs: a cached copy would hide rot on the medium); leaves the read
+    /// cache as it is.
+    pub fn read_uncached(&self, key: &ObjectKey, offset: u64, len: u64) -> Result<ReadBuf> {
+        self.sh.read_object(key, offset, len, false)
     }
 
     /// Several reads issued together from this thread (up to the device queue depth in
-    /// flight): for callers serving many requests, such as a node's op worker.
+    /// flight), from the device: for callers serving many requests at once.
     pub fn read_many(&self, reqs: &[(ObjectKey, u64, u64)]) -> Vec<Result<ReadBuf>> {
         self.sh.read_many(reqs)
     }

@@ -187,7 +187,7 @@ impl<D: BlockDevice> Reader<D> {
             // The cleaner moved the object while we read it: read it again (synchronously).
             Err(StoreError::Corrupted { .. }) if self.sh.moved(&p.key, &p.meta) => self
                 .sh
-                .read_object(&p.key, p.offset, p.end.saturating_sub(p.offset)),
+                .read_object(&p.key, p.offset, p.end.saturating_sub(p.offset), true),
             Err(e @ StoreError::Corrupted { .. }) => {
                 self.sh.stats.corrupt_reads.inc();
                 Err(e)

@@ -11,6 +11,8 @@
 //! segment), yet every batch in it is older than the replay start.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SegState {
@@ -72,6 +74,8 @@ pub struct Segments {
     pub replay_seg: u32,
     /// The log's open segment.
     pub head: u32,
+    /// Per segment: how often it was taken for new writes (the read cache's generations).
+    pub gens: Arc<[AtomicU32]>,
 }
 
 impl Segments {
@@ -92,6 +96,7 @@ impl Segments {
             replay_start: 0,
             replay_seg: u32::MAX,
             head: u32::MAX,
+            gens: crate::cache::generations(count),
         }
     }
 
@@ -125,6 +130,8 @@ impl Segments {
         }
         let seg = *self.free.iter().next()?;
         self.set_state(seg, SegState::Reserved);
+        // Before anything is written to it: cached chunks of its last use stop matching.
+        self.gens[seg as usize].fetch_add(1, Ordering::AcqRel);
         Some(seg)
     }
 
