@@ -3,7 +3,8 @@
 //!
 //! **What.** A read of at most [`ADMIT_READ_BYTES`] through [`Store::read`](crate::Store::read)
 //! that had to go to the device keeps copies of the chunks it read (each at most
-//! [`ADMIT_CHUNK_BYTES`], after its crc32c checked), up to `StoreConfig::read_cache_bytes` in
+//! [`ADMIT_CHUNK_BYTES`], after its crc32c checked; only if they are not much more than
+//! what it asked for, [`ADMIT_WASTE_FACTOR`]), up to `StoreConfig::read_cache_bytes` in
 //! all; a later read whose chunks are all cached is served from memory. Large reads neither
 //! use nor fill it (they would only push out the small ones, and the copy would cost more than
 //! it saves). Writes do not fill it. Eviction is quick_cache's S3-FIFO by bytes.
@@ -33,6 +34,13 @@ use crate::format::ChunkRef;
 pub const ADMIT_READ_BYTES: u64 = 64 << 10;
 /// Chunks longer than this are never cached.
 pub const ADMIT_CHUNK_BYTES: u32 = 64 << 10;
+/// A read fills the cache only if the chunks it read are at most this many times the bytes
+/// it asked for (or [`ADMIT_SMALL_BYTES`], whichever is more): a 4 KiB read of a 4 KiB object
+/// is kept, a 4 KiB read at a random offset of a large object (one 64 KiB chunk read) is not
+/// — random small reads over a large data set would otherwise copy 16× their bytes into a
+/// cache they rarely hit.
+pub const ADMIT_WASTE_FACTOR: u64 = 2;
+pub const ADMIT_SMALL_BYTES: u64 = 4096;
 
 /// One cached chunk.
 #[derive(Debug)]

@@ -668,7 +668,7 @@ impl<D: BlockDevice> Committer<D> {
     fn check(&self, txn: &Prepared, need: u64) -> Result<Vec<Option<Arc<ObjectMeta>>>, CheckErr> {
         let mut cur = Vec::with_capacity(txn.muts.len());
         for m in &txn.muts {
-            let now = self.sh.index.get(&m.key).map(|e| e.value().clone());
+            let now = self.sh.index.get(&m.key).map(|e| e.value().load_full());
             let ok = match (m.base, &now) {
                 (Base::Any, _) => true,
                 (Base::Absent, None) => true,
@@ -999,16 +999,7 @@ impl<D: BlockDevice> Committer<D> {
             }
             for (m, mu) in a.txn.muts.iter().enumerate() {
                 match &a.new_metas[m] {
-                    Some(meta) => {
-                        // Readers retry a miss while this is odd (`Shared::index_get`).
-                        self.sh
-                            .index_seq
-                            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                        self.sh.index.insert(mu.key.clone(), meta.clone());
-                        self.sh
-                            .index_seq
-                            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                    }
+                    Some(meta) => crate::index_put(&self.sh.index, &mu.key, meta.clone()),
                     None => {
                         self.sh.index.remove(&mu.key);
                     }
@@ -1155,8 +1146,8 @@ impl<D: BlockDevice> Committer<D> {
             };
             let mut last = None;
             for e in self.sh.index.range((lower, Bound::Unbounded)) {
-                let m = e.value();
-                encode_state(e.key(), m, &mut meta);
+                let m = e.value().load();
+                encode_state(e.key(), &m, &mut meta);
                 count += 1;
                 last = Some(e.key().clone());
                 if layout.batch_bytes(meta.len() as u64, 0) >= batch_max - 64 * 1024 {

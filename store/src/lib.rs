@@ -36,6 +36,7 @@ use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
+use arc_swap::ArcSwap;
 use crossbeam::channel::Sender;
 use crossbeam_skiplist::SkipMap;
 use driver::BlockDevice;
@@ -102,6 +103,24 @@ impl Default for StoreConfig {
     }
 }
 
+/// The in-memory index: one skip-list entry per object, whose state is swapped in place
+/// when the object changes ([`index_put`]). crossbeam-skiplist 0.1.3 (the newest release)
+/// replaces an existing key's entry in two steps (its issue #1023), and a lookup or a range
+/// scan in between misses the key; an entry that is never replaced has no such moment.
+pub(crate) type Index = SkipMap<ObjectKey, ArcSwap<ObjectMeta>>;
+
+/// Set `key`'s state: in place when it has an entry (readers see the old or the new state,
+/// never none), else a new entry. Only one thread writes an index (the commit thread; at open,
+/// the replay).
+pub(crate) fn index_put(index: &Index, key: &ObjectKey, meta: Arc<ObjectMeta>) {
+    match index.get(key) {
+        Some(e) => e.value().store(meta),
+        None => {
+            index.insert(key.clone(), ArcSwap::new(meta));
+        }
+    }
+}
+
 /// What every thread of an open store shares.
 pub(crate) struct Shared<D: BlockDevice> {
     pub dev: D,
@@ -110,9 +129,7 @@ pub(crate) struct Shared<D: BlockDevice> {
     pub chunk_bytes: u64,
     pub label: Label,
     pub config: StoreConfig,
-    pub index: SkipMap<ObjectKey, Arc<ObjectMeta>>,
-    /// Odd while the commit thread replaces an index entry (see [`Shared::index_get`]).
-    pub index_seq: std::sync::atomic::AtomicU64,
+    pub index: Index,
     pub segs: Mutex<space::Segments>,
     pub stats: stats::Stats,
     pub read_queues: thread_local::ThreadLocal<RefCell<Option<D::Queue>>>,
@@ -203,7 +220,7 @@ impl<D: BlockDevice + 'static> Store<D> {
                 + std::mem::size_of::<ObjectKey>()
                 + e.key().name.len()
                 + 16 // Arc counts
-                + e.value().heap_bytes();
+                + e.value().load().heap_bytes();
         }
         bytes as f64 / n as f64
     }

@@ -15,7 +15,7 @@ use crate::format::{
     SEGMENT_CHECKPOINT, SEGMENT_LOG, SUPERBLOCK_MAGIC, SUPERBLOCK_OFFSETS,
 };
 use crate::key::ObjectKey;
-use crate::meta::{ObjectMeta, Record};
+use crate::meta::Record;
 use crate::space::{SegState, Segments};
 use crate::stream::{read_region, Layout, Pos, Salvage, SkipKind, StreamHead, StreamReader};
 use crate::{Shared, Store, StoreConfig};
@@ -375,7 +375,7 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
         true,
     )?;
 
-    let index = SkipMap::new();
+    let index: crate::Index = SkipMap::new();
     let mut report = OpenReport::default();
     let mut ckpt_segments = Vec::new();
     if sb.ckpt_segment.get() != NO_SEGMENT {
@@ -400,7 +400,7 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
             let recs = b.records;
             for rec in recs {
                 if let Record::State { key, meta } = rec {
-                    index.insert(key, Arc::new(meta));
+                    crate::index_put(&index, &key, Arc::new(meta));
                     report.checkpoint_objects += 1;
                 }
             }
@@ -438,7 +438,7 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
 
     let mut segs = Segments::new(layout.segments, layout.segment_bytes);
     for e in index.iter() {
-        let m = e.value();
+        let m = e.value().load();
         for c in m.chunks.iter().chain([&m.xattrs]) {
             if c.len.get() > 0 {
                 let seg = layout.segment_of(c.offset.get());
@@ -509,7 +509,6 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
         label,
         config: config.clone(),
         index,
-        index_seq: Default::default(),
         segs: Mutex::new(segs),
         stats: Default::default(),
         read_queues: thread_local::ThreadLocal::new(),
@@ -583,7 +582,7 @@ fn replay_log<D: BlockDevice>(
     dev: &D,
     q: &mut D::Queue,
     r: &mut StreamReader,
-    index: &SkipMap<ObjectKey, Arc<ObjectMeta>>,
+    index: &crate::Index,
     salvage: bool,
     report: &mut OpenReport,
 ) -> Result<(u64, u64)> {
@@ -664,25 +663,24 @@ fn replay_log<D: BlockDevice>(
 
 /// Apply one replayed batch's records to the index: a state or remove wins over what the index
 /// holds only when its op sequence is newer.
-fn replay_records(
-    index: &SkipMap<ObjectKey, Arc<ObjectMeta>>,
-    records: Vec<Record>,
-    max_seq: &mut u64,
-) {
+fn replay_records(index: &crate::Index, records: Vec<Record>, max_seq: &mut u64) {
     for rec in records {
         match rec {
             Record::State { key, meta } => {
                 *max_seq = (*max_seq).max(meta.state_seq);
                 let newer = index
                     .get(&key)
-                    .is_none_or(|e| e.value().state_seq < meta.state_seq);
+                    .is_none_or(|e| e.value().load().state_seq < meta.state_seq);
                 if newer {
-                    index.insert(key, Arc::new(meta));
+                    crate::index_put(index, &key, Arc::new(meta));
                 }
             }
             Record::Remove { key, seq, .. } => {
                 *max_seq = (*max_seq).max(seq);
-                if index.get(&key).is_some_and(|e| e.value().state_seq < seq) {
+                if index
+                    .get(&key)
+                    .is_some_and(|e| e.value().load().state_seq < seq)
+                {
                     index.remove(&key);
                 }
             }

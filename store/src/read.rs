@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use driver::{BlockDevice, Completion, DmaBuf, QueueHandle, Request};
 
-use crate::cache::{Cached, ReadCache, ADMIT_CHUNK_BYTES, ADMIT_READ_BYTES};
+use crate::cache::{
+    Cached, ReadCache, ADMIT_CHUNK_BYTES, ADMIT_READ_BYTES, ADMIT_SMALL_BYTES, ADMIT_WASTE_FACTOR,
+};
 use crate::error::{Result, StoreError};
 use crate::format::{round_up, ChunkRef};
 use crate::key::ObjectKey;
@@ -382,9 +384,12 @@ impl<D: BlockDevice> Shared<D> {
         fill: bool,
     ) -> Result<ReadBuf> {
         let (refs, first, end) = self.refs_for(m, offset, len);
+        let wanted = end.saturating_sub(offset);
+        let chunk_bytes: u64 = refs.iter().map(|r| r.len.get() as u64).sum();
         let fill = self.cache.as_ref().filter(|c| {
             fill && c.enabled()
-                && end.saturating_sub(offset) <= ADMIT_READ_BYTES
+                && wanted <= ADMIT_READ_BYTES
+                && chunk_bytes <= ADMIT_WASTE_FACTOR * wanted.max(ADMIT_SMALL_BYTES)
                 && refs.iter().all(|r| r.len.get() <= ADMIT_CHUNK_BYTES)
         });
         // Sampled before the read: see the cache module on why that makes an entry exact.
@@ -569,7 +574,7 @@ impl<D: BlockDevice> Shared<D> {
     pub(crate) fn moved(&self, key: &ObjectKey, m: &ObjectMeta) -> bool {
         self.index
             .get(key)
-            .is_none_or(|e| e.value().state_seq != m.state_seq)
+            .is_none_or(|e| e.value().load().state_seq != m.state_seq)
     }
 
     pub(crate) fn lookup(&self, key: &ObjectKey) -> Result<Arc<ObjectMeta>> {
@@ -577,31 +582,10 @@ impl<D: BlockDevice> Shared<D> {
             .ok_or_else(|| StoreError::NotFound(key.clone()))
     }
 
-    /// The index entry of `key`. crossbeam-skiplist 0.1.3 replaces an existing key's entry in
-    /// two steps (its issue #1023, fixed upstream after that release), and a lookup in between
-    /// finds nothing: a reader would see an object that is being overwritten as missing. The
-    /// commit thread, the only writer, keeps `index_seq` odd while it replaces; a miss counts
-    /// only if no replace was under way before or during it, otherwise the lookup is retried.
+    /// The index entry of `key` (entries are updated in place, so an object being
+    /// overwritten is never missing: see [`crate::Index`]).
     pub(crate) fn index_get(&self, key: &ObjectKey) -> Option<Arc<ObjectMeta>> {
-        let mut tries = 0u32;
-        loop {
-            let before = self.index_seq.load(std::sync::atomic::Ordering::SeqCst);
-            if let Some(e) = self.index.get(key) {
-                return Some(e.value().clone());
-            }
-            let after = self.index_seq.load(std::sync::atomic::Ordering::SeqCst);
-            if before == after && before.is_multiple_of(2) {
-                return None;
-            }
-            // The replace takes microseconds, unless the commit thread was preempted inside
-            // it: then spinning would only keep it off the CPU.
-            tries += 1;
-            if tries < 64 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-        }
+        self.index.get(key).map(|e| e.value().load_full())
     }
 
     pub(crate) fn load_xattrs(&self, m: &ObjectMeta) -> Result<BTreeMap<String, Vec<u8>>> {
@@ -704,7 +688,7 @@ impl<D: BlockDevice + 'static> Store<D> {
             .range((lower, Bound::Unbounded))
             .take_while(|e| e.key().pool == pool)
             .take(max)
-            .map(|e| (e.key().clone(), ObjectStat::from(&**e.value())))
+            .map(|e| (e.key().clone(), ObjectStat::from(&**e.value().load())))
             .collect()
     }
 

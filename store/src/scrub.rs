@@ -104,7 +104,7 @@ impl<D: BlockDevice> Shared<D> {
             None => Bound::Unbounded,
         };
         for e in self.index.range((lower, Bound::Unbounded)) {
-            let (key, m) = (e.key().clone(), e.value().clone());
+            let (key, m) = (e.key().clone(), e.value().load_full());
             rep.objects += 1;
             let refs: Vec<(Option<usize>, ChunkRef)> = m
                 .chunks
@@ -126,7 +126,7 @@ impl<D: BlockDevice> Shared<D> {
                         let current = self
                             .index
                             .get(&key)
-                            .is_some_and(|e| e.value().state_seq == m.state_seq);
+                            .is_some_and(|e| e.value().load().state_seq == m.state_seq);
                         if current {
                             rep.corrupt.push(CorruptChunk {
                                 key: key.clone(),

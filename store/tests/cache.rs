@@ -100,6 +100,8 @@ fn repeated_small_reads_come_from_memory_with_the_current_bytes() {
     let before = s.cache_stats();
     for _ in 0..3 {
         assert_eq!(s.read_vec(&big, 0, u64::MAX).unwrap(), bd);
+        // Nor do small reads of a large object: each reads a whole 64 KiB chunk for 4 KiB.
+        assert_eq!(s.read_vec(&big, 70_000, 4096).unwrap(), bd[70_000..74_096]);
     }
     let after = s.cache_stats();
     assert_eq!((after.hits, after.inserts), (before.hits, before.inserts));

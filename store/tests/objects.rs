@@ -416,3 +416,46 @@ fn overwrites_never_make_an_object_vanish_for_readers() {
     });
     assert_eq!(misses.load(std::sync::atomic::Ordering::Relaxed), 0);
 }
+
+#[test]
+fn list_never_skips_an_object_being_overwritten() {
+    let (_dev, s) = fresh(64, 13);
+    const N: usize = 64;
+    for i in 0..N {
+        s.write_full(&key(&format!("l{i:03}")), b"v0").unwrap();
+    }
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (short, lists) = (
+        std::sync::atomic::AtomicU64::new(0),
+        std::sync::atomic::AtomicU64::new(0),
+    );
+    std::thread::scope(|sc| {
+        for _ in 0..2 {
+            sc.spawn(|| {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let got = s.list(1, None, 1000);
+                    if got.len() != N {
+                        short.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    lists.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+        }
+        for r in 0..40u64 {
+            let v = format!("v{r}");
+            let mut t = Transaction::new();
+            for i in 0..N {
+                t.write_full(key(&format!("l{i:03}")), v.as_bytes());
+            }
+            s.commit(t).unwrap();
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    let (short, lists) = (short.into_inner(), lists.into_inner());
+    eprintln!("{lists} lists during 40 rounds of {N} overwrites; {short} missed an object");
+    assert!(lists > 0);
+    assert_eq!(
+        short, 0,
+        "a list missed an object that was being overwritten"
+    );
+}
