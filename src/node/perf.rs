@@ -123,7 +123,7 @@ impl Node {
                 ("read_bytes", C, t.read_bytes, "Bytes read by the store"),
                 ("corrupt_reads", C, t.corrupt_reads, "Reads that found a crc mismatch"),
                 ("read_cache_hits", C, cache.hits, "Small reads served from the read cache"),
-                ("read_cache_misses", C, cache.misses, "Small reads that went to the device"),
+                ("read_cache_misses", C, cache.misses, "Cacheable reads that went to the device (and filled the read cache)"),
                 ("read_cache_bytes", G, cache.bytes, "Bytes held by the read cache"),
                 ("live_bytes", G, sp.live_bytes, "Live bytes in the store"),
                 ("segments_free", G, sp.segments_free, "Free segments"),

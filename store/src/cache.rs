@@ -7,7 +7,9 @@
 //! what it asked for, [`ADMIT_WASTE_FACTOR`]), up to `StoreConfig::read_cache_bytes` in
 //! all; a later read whose chunks are all cached is served from memory. Large reads neither
 //! use nor fill it (they would only push out the small ones, and the copy would cost more than
-//! it saves). Writes do not fill it. Eviction is quick_cache's S3-FIFO by bytes.
+//! it saves). Writes do not fill it. Eviction is quick_cache's S3-FIFO by bytes: a chunk read
+//! once waits in a small probation queue, so a scan of many small reads does not push out
+//! the chunks that are read again.
 //!
 //! **Why it cannot serve stale bytes.** An entry is keyed by the chunk's device offset and
 //! records the chunk's length and crc32c and the *reuse generation* of its segment: a segment's
@@ -71,7 +73,7 @@ impl quick_cache::Weighter<u64, Arc<Cached>> for ByLen {
 pub struct CacheStats {
     /// Reads served from memory.
     pub hits: u64,
-    /// Small reads that went to the device.
+    /// Cacheable reads that went to the device (and filled the cache).
     pub misses: u64,
     /// Chunks added.
     pub inserts: u64,

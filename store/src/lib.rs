@@ -113,11 +113,10 @@ pub(crate) type Index = SkipMap<ObjectKey, ArcSwap<ObjectMeta>>;
 /// never none), else a new entry. Only one thread writes an index (the commit thread; at open,
 /// the replay).
 pub(crate) fn index_put(index: &Index, key: &ObjectKey, meta: Arc<ObjectMeta>) {
-    match index.get(key) {
-        Some(e) => e.value().store(meta),
-        None => {
-            index.insert(key.clone(), ArcSwap::new(meta));
-        }
+    // One search whether the key is new or not (most keys a commit round sets are new).
+    let e = index.get_or_insert_with(key.clone(), || ArcSwap::new(meta.clone()));
+    if !Arc::ptr_eq(&e.value().load(), &meta) {
+        e.value().store(meta);
     }
 }
 
