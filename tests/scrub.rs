@@ -63,16 +63,20 @@ fn flip(c: &Client, pool: u64, name: &str, slot: usize, rng: &mut impl Rng) -> O
     Some(node)
 }
 
-/// Run one scrub pass on every up node; the pass counts summed over the nodes.
-fn scrub_pass(h: &Harness) -> ScrubStats {
-    let c = &h.client;
-    let nodes: Vec<u32> = c
-        .map()
+/// The ids of the nodes the map has up.
+fn up_nodes(c: &Client) -> Vec<u32> {
+    c.map()
         .nodes
         .values()
         .filter(|n| n.up)
         .map(|n| n.id)
-        .collect();
+        .collect()
+}
+
+/// Run one scrub pass on every up node; the pass counts summed over the nodes.
+fn scrub_pass(h: &Harness) -> ScrubStats {
+    let c = &h.client;
+    let nodes = up_nodes(c);
     let before: Vec<u64> = nodes
         .iter()
         .map(|n| scrub_call(c, *n, 1).unwrap().totals.passes)
@@ -102,15 +106,8 @@ fn scrub_pass(h: &Harness) -> ScrubStats {
 /// One store sample (`perf dump`'s `store.by_device.<device>.<name>`) summed over every
 /// device of every up node.
 fn cache_total(c: &Client, name: &str) -> u64 {
-    let ups: Vec<u32> = c
-        .map()
-        .nodes
-        .values()
-        .filter(|n| n.up)
-        .map(|n| n.id)
-        .collect();
     let mut sum = 0;
-    for n in ups {
+    for n in up_nodes(c) {
         let d = c.perf_dump(n).unwrap();
         let devs = d["store"]["by_device"]
             .as_object()
@@ -124,8 +121,8 @@ fn cache_total(c: &Client, name: &str) -> u64 {
 
 fn totals(c: &Client) -> ScrubStats {
     let mut sum = ScrubStats::default();
-    for n in c.map().nodes.values().filter(|n| n.up) {
-        sum.add(&scrub_call(c, n.id, 0).unwrap().totals);
+    for n in up_nodes(c) {
+        sum.add(&scrub_call(c, n, 0).unwrap().totals);
     }
     sum
 }
