@@ -196,7 +196,7 @@ pub fn bench(
                         let t = Instant::now();
                         let r = match mode {
                             Mode::Write => c.put(pool, name.as_bytes(), &payload).map(|_| ()),
-                            _ => c.get(pool, name.as_bytes()).and_then(|d| {
+                            _ => c.read(pool, name.as_bytes(), 0, size).and_then(|d| {
                                 if d.len() as u64 == size {
                                     Ok(())
                                 } else {

@@ -22,7 +22,7 @@ use crate::map::ClusterMap;
 use crate::monclient::MonClient;
 use crate::monitor::raft::MonCommand;
 use crate::monitor::StatusReport;
-use crate::ops::{self, ClientOp, ObjStat, OpResult, SubOp};
+use crate::ops::{self, ClientOp, ObjStat, OpResult, ReadData, SubOp};
 use crate::placement::pg_of;
 use crate::wire::{self, Dec, Enc, Status};
 
@@ -263,7 +263,7 @@ impl Client {
             if e > self.monc.epoch() {
                 let _ = self.monc.subscribe();
             }
-            ops::decode_results(body?)
+            ops::decode_results_shared(&reply.payload, body?)
         })
     }
 
@@ -328,6 +328,13 @@ impl Client {
     /// object that fits in one message (any object up to 16 MiB read whole) costs one round
     /// trip; later pieces assert the version the first one saw.
     pub fn get_range(&self, pool: u64, name: &[u8], offset: u64, len: u64) -> Result<Vec<u8>> {
+        self.read(pool, name, offset, len).map(ReadData::into_vec)
+    }
+
+    /// [`Client::get_range`] without a copy: a read that fits in one message returns a view
+    /// into the reply as the messenger received it (a larger one is assembled into one
+    /// buffer). Like a librados `read` into a bufferlist.
+    pub fn read(&self, pool: u64, name: &[u8], offset: u64, len: u64) -> Result<ReadData> {
         let piece = ops::MESSAGE_DATA_BYTES_MAX as u64;
         if len <= piece {
             return match self.op(pool, name, &[SubOp::Read { offset, len }])?.1.pop() {
@@ -342,7 +349,7 @@ impl Client {
                 &[SubOp::Stat, SubOp::Read { offset, len: piece }],
             )?;
             let (st, mut out) = match (r.pop(), r.pop()) {
-                (Some(OpResult::Data(d)), Some(OpResult::Stat(st))) => (st, d),
+                (Some(OpResult::Data(d)), Some(OpResult::Stat(st))) => (st, d.into_vec()),
                 other => return Err(Error::Malformed(format!("stat + read returned {other:?}"))),
             };
             let end = offset.saturating_add(len).min(st.size);
@@ -372,7 +379,7 @@ impl Client {
                 }
                 at += n;
             }
-            return Ok(out);
+            return Ok(ReadData::Owned(out));
         }
         Err(Error::remote(
             Status::VersionMismatch,

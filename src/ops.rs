@@ -188,11 +188,73 @@ pub struct ObjStat {
     pub mtime_unix_ns: u64,
 }
 
+/// Bytes a read returned: owned (built on this side), or a view into the received reply
+/// (the client's decode: no copy out of the messenger's buffer, like a librados bufferlist).
+#[derive(Clone)]
+pub enum ReadData {
+    Owned(Vec<u8>),
+    Received(messenger::Payload),
+}
+
+impl ReadData {
+    /// The bytes as a vector (moved when owned, copied out of a received reply).
+    pub fn into_vec(self) -> Vec<u8> {
+        match self {
+            ReadData::Owned(v) => v,
+            ReadData::Received(p) => p.to_vec(),
+        }
+    }
+}
+
+impl std::ops::Deref for ReadData {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            ReadData::Owned(v) => v,
+            ReadData::Received(p) => p,
+        }
+    }
+}
+
+impl AsRef<[u8]> for ReadData {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl From<Vec<u8>> for ReadData {
+    fn from(v: Vec<u8>) -> ReadData {
+        ReadData::Owned(v)
+    }
+}
+
+impl PartialEq for ReadData {
+    fn eq(&self, other: &ReadData) -> bool {
+        **self == **other
+    }
+}
+impl Eq for ReadData {}
+
+impl std::fmt::Debug for ReadData {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ReadData({} bytes)", self.len())
+    }
+}
+
+impl From<ReadData> for messenger::SendBuf {
+    fn from(d: ReadData) -> messenger::SendBuf {
+        match d {
+            ReadData::Owned(v) => messenger::SendBuf::Vec(v),
+            ReadData::Received(p) => messenger::SendBuf::Payload(p),
+        }
+    }
+}
+
 /// One read sub-op's result.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum OpResult {
     Stat(ObjStat),
-    Data(Vec<u8>),
+    Data(ReadData),
     Xattr(Vec<u8>),
     Xattrs(Vec<(String, Vec<u8>)>),
 }
@@ -240,7 +302,7 @@ pub fn encode_results_parts(
             OpResult::Data(d) => {
                 e.u8(5).u32(d.len() as u32);
                 parts.push(messenger::SendBuf::Vec(std::mem::take(&mut e.0)));
-                parts.push(messenger::SendBuf::Vec(d));
+                parts.push(d.into());
             }
             other => encode_result(&mut e, &other),
         }
@@ -250,7 +312,23 @@ pub fn encode_results_parts(
     parts
 }
 
+/// Decode a reply body; read data is copied out.
 pub fn decode_results(b: &[u8]) -> Result<(u64, Vec<OpResult>)> {
+    decode_results_in(None, b)
+}
+
+/// Decode a reply body `b` borrowed from `payload`; read data points into `payload` (no copy).
+pub fn decode_results_shared(
+    payload: &messenger::Payload,
+    b: &[u8],
+) -> Result<(u64, Vec<OpResult>)> {
+    decode_results_in(Some(payload), b)
+}
+
+fn decode_results_in(
+    payload: Option<&messenger::Payload>,
+    b: &[u8],
+) -> Result<(u64, Vec<OpResult>)> {
     let mut d = Dec::new(b);
     let version = d.u64()?;
     let n = d.u16()? as usize;
@@ -262,7 +340,13 @@ pub fn decode_results(b: &[u8]) -> Result<(u64, Vec<OpResult>)> {
                 version: d.u64()?,
                 mtime_unix_ns: d.u64()?,
             }),
-            5 => OpResult::Data(d.bytes()?.to_vec()),
+            5 => {
+                let bytes = d.bytes()?;
+                OpResult::Data(match payload {
+                    Some(p) => ReadData::Received(p.slice_ref(bytes)),
+                    None => ReadData::Owned(bytes.to_vec()),
+                })
+            }
             6 => OpResult::Xattr(d.bytes()?.to_vec()),
             7 => {
                 let n = d.u32()? as usize;
@@ -333,7 +417,7 @@ mod tests {
                 version: 2,
                 mtime_unix_ns: 3,
             }),
-            OpResult::Data(vec![1, 2]),
+            OpResult::Data(vec![1, 2].into()),
             OpResult::Xattrs(vec![("a".into(), vec![9])]),
         ];
         encode_results(&mut e, 42, &rs);

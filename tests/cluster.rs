@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use common::{bytes, Harness};
 use messenger::{Identity, OutMessage};
 use nvstore::cluster_cmd::LocalOptions;
-use nvstore::ops::{ClientOp, OpResult, SubOp};
+use nvstore::ops::{ClientOp, OpResult, ReadData, SubOp};
 use nvstore::wire::{self, Status};
 use nvstore::{Client, Error};
 use rand::{Rng, SeedableRng};
@@ -78,8 +78,17 @@ fn objects_of_every_size_ranges_overwrites_xattrs_and_compound_ops() {
             let lo = (off as usize).min(n);
             let hi = (off as usize + len as usize).min(n);
             assert!(got == data[lo..hi], "{name} [{off}, +{len})");
+            // The same range without a copy: a view into the received reply.
+            let view = c.read(pool, name.as_bytes(), off, len).unwrap();
+            assert!(*view == data[lo..hi], "{name} [{off}, +{len}) read");
+            if hi > lo {
+                assert!(matches!(view, ReadData::Received(_)), "{name}: not copied");
+            }
         }
     }
+    // Larger than one message: assembled, still every byte.
+    let whole = c.read(pool, b"size-67108864", 0, 64 << 20).unwrap();
+    assert!(*whole == bytes(4, 64 << 20), "64 MiB read");
     // Overwrites at offsets, against a model.
     let name = b"overwrite";
     let mut model = bytes(99, (1 << 20) + 3);
@@ -139,7 +148,7 @@ fn objects_of_every_size_ranges_overwrites_xattrs_and_compound_ops() {
         )
         .unwrap();
     assert_eq!(v2, v);
-    assert_eq!(r[0], OpResult::Data(b"ew".to_vec()));
+    assert_eq!(r[0], OpResult::Data(b"ew".to_vec().into()));
     assert!(matches!(r[1], OpResult::Stat(s) if s.size == 3 && s.version == v));
     let e = c
         .op(

@@ -267,6 +267,21 @@ impl Payload {
             len,
         }
     }
+
+    /// The sub-range that `sub`, a slice borrowed from this payload (a decoder's view, say),
+    /// covers, sharing the same buffer. Panics if `sub` does not lie within this payload.
+    pub fn slice_ref(&self, sub: &[u8]) -> Payload {
+        if sub.is_empty() {
+            return Payload::default();
+        }
+        let base = self.as_ptr() as usize;
+        let at = (sub.as_ptr() as usize).wrapping_sub(base);
+        assert!(
+            at <= self.len && sub.len() <= self.len - at,
+            "slice_ref: the slice is not inside this payload"
+        );
+        self.slice(at, sub.len())
+    }
 }
 
 impl Deref for Payload {
@@ -330,6 +345,19 @@ mod tests {
         let other = std::thread::spawn(move || p.len()).join().unwrap();
         assert_eq!(other, 0);
         assert_eq!(pool.stats().returned, 2);
+    }
+
+    #[test]
+    fn slice_ref_finds_a_borrowed_sub_slice_and_refuses_others() {
+        let p = Payload::from_vec(b"header:body".to_vec());
+        let body = &p[7..];
+        let q = p.slice_ref(body);
+        assert_eq!(&*q, b"body");
+        assert_eq!(&*q.slice_ref(&q[1..3]), b"od");
+        assert!(p.slice_ref(&p[11..]).is_empty());
+        let other = b"body".to_vec();
+        let r = std::panic::catch_unwind(|| p.slice_ref(&other));
+        assert!(r.is_err(), "a slice of another buffer must not be accepted");
     }
 
     #[test]

@@ -240,7 +240,7 @@ impl Node {
                 SubOp::Read { offset, len } => {
                     let d = self.read_range(&ctx, op.name, &st, *offset, *len)?;
                     self.counters.read_bytes.fetch_add(d.len() as u64, Relaxed);
-                    OpResult::Data(d)
+                    OpResult::Data(d.into())
                 }
                 SubOp::GetXattr(n) => OpResult::Xattr(
                     st.xattrs
