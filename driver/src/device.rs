@@ -334,6 +334,15 @@ pub trait BlockDevice: Send + Sync {
     /// Allocate `len` bytes of memory this device can transfer to and from, zeroed, aligned to
     /// at least `dma_alignment` (buffers are page aligned on every backend).
     fn alloc_buf(&self, len: usize) -> Result<DmaBuf>;
+
+    /// Memory for a read that will overwrite all `len` bytes: like [`alloc_buf`], but it may
+    /// be a recycled buffer still holding bytes of an earlier IO (initialised, not zeroed), so
+    /// the IO path pays for neither an allocation nor a zeroing pass. By default `alloc_buf`.
+    ///
+    /// [`alloc_buf`]: BlockDevice::alloc_buf
+    fn alloc_read_buf(&self, len: usize) -> Result<DmaBuf> {
+        self.alloc_buf(len)
+    }
 }
 
 /// One queue of a device, owned by one thread.

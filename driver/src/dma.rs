@@ -10,6 +10,7 @@
 use std::alloc::Layout;
 use std::fmt;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 
 /// Who hands a region back when a [`DmaBuf`] is dropped.
@@ -212,8 +213,56 @@ impl fmt::Debug for DmaBuf {
 
 /// Ordinary host memory, aligned, for devices that address memory by virtual address (files
 /// through the kernel, the simulator). The device address is the virtual address.
+///
+/// Released buffers are kept for reuse, per size class, up to [`KEEP_BYTES_MAX`] in all: a
+/// read or write then costs no allocation and no page faults. Sizes up to 64 KiB round up
+/// to a multiple of 4 KiB, larger ones to a power of two; nothing above
+/// [`POOLED_BYTES_MAX`] is kept.
 pub struct HostMemory {
     align: usize,
+    /// Free regions of each class (addresses), see [`class_of`].
+    free: Vec<crossbeam::queue::ArrayQueue<usize>>,
+    /// Bytes of the regions in `free`.
+    kept: AtomicUsize,
+}
+
+/// Bytes of released buffers kept at most (per allocator, that is per device).
+pub const KEEP_BYTES_MAX: usize = 32 << 20;
+/// Regions one size class keeps at most.
+const KEEP_PER_CLASS_MAX: usize = 256;
+/// Largest buffer kept for reuse.
+pub const POOLED_BYTES_MAX: usize = 16 << 20;
+/// Sizes up to this are classed in steps of [`SMALL_STEP`].
+const SMALL_MAX: usize = 64 << 10;
+const SMALL_STEP: usize = 4 << 10;
+const SMALL_CLASSES: usize = SMALL_MAX / SMALL_STEP;
+/// Power-of-two classes above [`SMALL_MAX`] up to [`POOLED_BYTES_MAX`].
+const LARGE_CLASSES: usize =
+    (POOLED_BYTES_MAX.trailing_zeros() - SMALL_MAX.trailing_zeros()) as usize;
+
+/// Bytes a buffer of class `c` allocates.
+fn class_bytes(c: usize) -> usize {
+    if c < SMALL_CLASSES {
+        (c + 1) * SMALL_STEP
+    } else {
+        SMALL_MAX << (c - SMALL_CLASSES + 1)
+    }
+}
+
+/// (class index, bytes the class allocates) of a buffer of `len` bytes, or `None` past
+/// [`POOLED_BYTES_MAX`] (allocated exactly, never kept).
+fn class_of(len: usize) -> Option<(usize, usize)> {
+    let len = len.max(1);
+    let c = if len <= SMALL_MAX {
+        len.div_ceil(SMALL_STEP) - 1
+    } else if len <= POOLED_BYTES_MAX {
+        SMALL_CLASSES
+            + (len.next_power_of_two().trailing_zeros() - SMALL_MAX.trailing_zeros()) as usize
+            - 1
+    } else {
+        return None;
+    };
+    Some((c, class_bytes(c)))
 }
 
 impl HostMemory {
@@ -223,11 +272,24 @@ impl HostMemory {
             align.is_power_of_two(),
             "alignment {align} is not a power of two"
         );
-        Arc::new(HostMemory { align })
+        let free = (0..SMALL_CLASSES + LARGE_CLASSES)
+            .map(|c| {
+                crossbeam::queue::ArrayQueue::new(
+                    (KEEP_BYTES_MAX / class_bytes(c)).clamp(1, KEEP_PER_CLASS_MAX),
+                )
+            })
+            .collect();
+        Arc::new(HostMemory {
+            align,
+            free,
+            kept: AtomicUsize::new(0),
+        })
     }
 
+    /// The layout a buffer of `len` bytes is allocated (and deallocated) with.
     fn layout(&self, len: usize) -> Layout {
-        Layout::from_size_align(len.max(1), self.align).expect("DMA buffer layout")
+        let size = class_of(len).map_or(len.max(1), |(_, size)| size);
+        Layout::from_size_align(size, self.align).expect("DMA buffer layout")
     }
 
     /// Allocate `len` zeroed bytes, every page faulted in: the kernel's non-blocking direct-IO
@@ -235,28 +297,132 @@ impl HostMemory {
     /// to a worker thread — slower by a context switch. `alloc_zeroed` may hand out untouched
     /// zero pages, so the zeroing is done here explicitly.
     pub fn alloc(self: &Arc<Self>, len: usize) -> Option<DmaBuf> {
-        let layout = self.layout(len);
+        let (ptr, _) = self.take(len)?;
+        // SAFETY: ptr is an allocation of at least `len` bytes that nothing else uses.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, len) };
+        Some(self.wrap(ptr, len))
+    }
+
+    /// Allocate `len` bytes for a read that overwrites all of them: a recycled buffer keeps
+    /// the bytes it last held (initialised memory, never zeroed again); a fresh one is zeroed.
+    pub fn alloc_for_read(self: &Arc<Self>, len: usize) -> Option<DmaBuf> {
+        let (ptr, fresh) = self.take(len)?;
+        if fresh {
+            // SAFETY: ptr is a fresh allocation of at least `len` bytes.
+            unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, len) };
+        }
+        Some(self.wrap(ptr, len))
+    }
+
+    /// A recycled region of `len`'s class, or a fresh one (`true`).
+    fn take(&self, len: usize) -> Option<(NonNull<u8>, bool)> {
+        if let Some((c, size)) = class_of(len) {
+            if let Some(addr) = self.free[c].pop() {
+                self.kept.fetch_sub(size, Relaxed);
+                return NonNull::new(addr as *mut u8).map(|p| (p, false));
+            }
+        }
         // SAFETY: layout has a non-zero size.
-        let ptr = NonNull::new(unsafe { std::alloc::alloc(layout) })?;
-        // SAFETY: ptr is a fresh allocation of layout.size() bytes.
-        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, layout.size()) };
-        // SAFETY: a fresh allocation of `len` bytes owned only by this buffer; released to
-        // HostMemory::release with the same layout.
-        Some(unsafe { DmaBuf::from_raw_parts(ptr, ptr.as_ptr() as u64, len, self.clone()) })
+        let ptr = NonNull::new(unsafe { std::alloc::alloc(self.layout(len)) })?;
+        Some((ptr, true))
+    }
+
+    fn wrap(self: &Arc<Self>, ptr: NonNull<u8>, len: usize) -> DmaBuf {
+        // SAFETY: an allocation of at least `len` bytes (its class) owned only by this buffer;
+        // released to HostMemory::release with the same len, so the same class and layout.
+        unsafe { DmaBuf::from_raw_parts(ptr, ptr.as_ptr() as u64, len, self.clone()) }
     }
 }
 
-// SAFETY: release deallocates exactly the layout alloc used, once per buffer.
+// SAFETY: release deallocates exactly the layout alloc used (the class of `len`), once per
+// buffer, or keeps the region for a later buffer of the same class.
 unsafe impl DmaOwner for HostMemory {
     fn release(&self, ptr: NonNull<u8>, _iova: u64, len: usize) {
-        // SAFETY: ptr was returned by alloc_zeroed with this same layout.
+        if let Some((c, size)) = class_of(len) {
+            // Reserve the bytes first, so racing releases cannot keep more than the bound.
+            if self.kept.fetch_add(size, Relaxed) + size <= KEEP_BYTES_MAX
+                && self.free[c].push(ptr.as_ptr() as usize).is_ok()
+            {
+                return;
+            }
+            self.kept.fetch_sub(size, Relaxed);
+        }
+        // SAFETY: ptr was allocated by `take` with this same layout.
         unsafe { std::alloc::dealloc(ptr.as_ptr(), self.layout(len)) }
+    }
+}
+
+impl Drop for HostMemory {
+    fn drop(&mut self) {
+        for (c, q) in self.free.iter().enumerate() {
+            let layout =
+                Layout::from_size_align(class_bytes(c), self.align).expect("DMA buffer layout");
+            while let Some(addr) = q.pop() {
+                // SAFETY: every kept region was allocated by `take` with its class's layout,
+                // and no buffer refers to it any more.
+                unsafe { std::alloc::dealloc(addr as *mut u8, layout) }
+            }
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn classes_cover_every_size_and_buffers_are_reused() {
+        for len in [
+            1,
+            4095,
+            4096,
+            4097,
+            65536,
+            65537,
+            699_392,
+            1 << 20,
+            16 << 20,
+        ] {
+            let (c, size) = class_of(len).unwrap();
+            assert!(size >= len, "{len} fits its class");
+            assert_eq!(class_bytes(c), size);
+            if c > 0 {
+                assert!(
+                    class_bytes(c - 1) < len,
+                    "{len}: the class below is too small"
+                );
+            }
+        }
+        assert_eq!(class_of((16 << 20) + 1), None);
+        let mem = HostMemory::new(4096);
+        let mut a = mem.alloc_for_read(699_392).unwrap();
+        a.write_at(0, b"left over");
+        let addr = a.as_ptr() as usize;
+        drop(a);
+        let b = mem.alloc_for_read(600_000).unwrap();
+        assert_eq!(
+            b.as_ptr() as usize,
+            addr,
+            "same class: the region is reused"
+        );
+        assert!(
+            b.eq_at(0, b"left over"),
+            "a read buffer is not zeroed again"
+        );
+        drop(b);
+        let z = mem.alloc(700_000).unwrap();
+        assert_eq!(z.as_ptr() as usize, addr);
+        assert_eq!(z.read_u64_le(0), 0, "alloc always zeroes");
+        let big = mem.alloc((16 << 20) + 1).unwrap();
+        assert_eq!(big.len(), (16 << 20) + 1);
+        drop((z, big));
+        let many: Vec<DmaBuf> = (0..40)
+            .map(|_| mem.alloc_for_read(1 << 20).unwrap())
+            .collect();
+        drop(many);
+        assert!(mem.kept.load(Relaxed) <= KEEP_BYTES_MAX, "the bound holds");
+        assert_eq!(mem.kept.load(Relaxed), 32 << 20);
+    }
 
     #[test]
     fn copy_accessors_round_trip() {

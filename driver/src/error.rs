@@ -101,6 +101,15 @@ impl Error {
     pub fn is_media(&self) -> bool {
         matches!(self, Error::Media { .. })
     }
+
+    /// Host memory for a DMA buffer of `len` bytes could not be allocated.
+    pub fn no_host_memory(device: &Arc<str>, len: usize) -> Error {
+        Error::NoMemory {
+            device: device.clone(),
+            len,
+            detail: "host allocation failed".into(),
+        }
+    }
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -449,11 +449,13 @@ impl BlockDevice for FileDevice {
     }
 
     fn alloc_buf(&self, len: usize) -> Result<DmaBuf> {
-        self.inner.memory.alloc(len).ok_or_else(|| Error::NoMemory {
-            device: self.inner.name.clone(),
-            len,
-            detail: "host allocation failed".into(),
-        })
+        let m = self.inner.memory.alloc(len);
+        m.ok_or_else(|| Error::no_host_memory(&self.inner.name, len))
+    }
+
+    fn alloc_read_buf(&self, len: usize) -> Result<DmaBuf> {
+        let m = self.inner.memory.alloc_for_read(len);
+        m.ok_or_else(|| Error::no_host_memory(&self.inner.name, len))
     }
 }
 

@@ -458,14 +458,13 @@ impl BlockDevice for SimDevice {
     }
 
     fn alloc_buf(&self, len: usize) -> Result<DmaBuf> {
-        self.shared
-            .memory
-            .alloc(len)
-            .ok_or_else(|| Error::NoMemory {
-                device: self.shared.name.clone(),
-                len,
-                detail: "host allocation failed".into(),
-            })
+        let m = self.shared.memory.alloc(len);
+        m.ok_or_else(|| Error::no_host_memory(&self.shared.name, len))
+    }
+
+    fn alloc_read_buf(&self, len: usize) -> Result<DmaBuf> {
+        let m = self.shared.memory.alloc_for_read(len);
+        m.ok_or_else(|| Error::no_host_memory(&self.shared.name, len))
     }
 }
 

@@ -218,7 +218,7 @@ impl<D: BlockDevice> Shared<D> {
                     let (off, len) = runs[next];
                     let submitted = self
                         .dev
-                        .alloc_buf(len as usize)
+                        .alloc_read_buf(len as usize)
                         .map_err(Into::into)
                         .and_then(|buf| {
                             let req = Request::read(

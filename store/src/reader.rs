@@ -109,7 +109,7 @@ impl<D: BlockDevice> Reader<D> {
                     return Ok(());
                 }
                 let (off, len) = p.runs[p.next_run];
-                let buf = self.sh.dev.alloc_buf(len as usize)?;
+                let buf = self.sh.dev.alloc_read_buf(len as usize)?;
                 let tag = (slot as u64) << RUN_BITS | p.next_run as u64;
                 let req = Request::read(off / block, (len / block) as u32, buf, 0, tag);
                 match self.q.submit(req) {
