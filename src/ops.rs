@@ -308,7 +308,7 @@ pub fn encode_results_parts(
         }
     }
     parts.push(messenger::SendBuf::Vec(e.0));
-    parts.retain(|p| !p.bytes().is_empty());
+    parts.retain(|p| !p.is_empty());
     parts
 }
 
@@ -423,7 +423,7 @@ mod tests {
         encode_results(&mut e, 42, &rs);
         assert_eq!(decode_results(&e.0).unwrap(), (42, rs.clone()));
         let parts = encode_results_parts(Enc::default(), 42, rs);
-        let joined: Vec<u8> = parts.iter().flat_map(|p| p.bytes().to_vec()).collect();
+        let joined = messenger::SendBuf::concat(&parts);
         assert_eq!(joined, e.0, "the zero-copy form is the same bytes");
         assert!(check_name(&[0, 1]).is_err());
         assert!(check_name(&vec![b'a'; 1001]).unwrap_err().contains("1001"));

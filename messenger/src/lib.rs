@@ -35,7 +35,7 @@ pub mod worker;
 pub use auth::{Identity, Secret};
 pub use conn::Connection;
 pub use error::{AuthFailure, Error, Result, Violation};
-pub use message::{Dispatcher, Incoming, OutMessage, Reply, Responder, SendBuf};
+pub use message::{Dispatcher, Incoming, OutMessage, RawBytes, Reply, Responder, SendBuf};
 pub use messenger::{Config, Messenger};
 pub use pool::Payload;
 pub use stats::{MessengerStats, WorkerStats};

@@ -17,15 +17,83 @@ pub enum SendBuf {
     Shared(Arc<dyn AsRef<[u8]> + Send + Sync>),
     /// Forward received bytes without copying.
     Payload(Payload),
+    /// Memory the messenger must not form a Rust reference to (a DMA buffer a device read
+    /// into): its address goes to `writev`, its checksum comes from [`RawBytes`].
+    Raw(Box<dyn RawBytes>),
+}
+
+/// A region sent by address only (see [`SendBuf::Raw`]).
+///
+/// # Safety
+/// The region [`raw`](RawBytes::raw) describes must be valid for reads, and unchanged, for as
+/// long as the object lives: nothing (no device either) writes it meanwhile.
+pub unsafe trait RawBytes: Send + Sync {
+    /// (address, length) of the region.
+    fn raw(&self) -> (*const u8, usize);
+    /// CRC-32C of the region continued from `crc`, as [`crate::checksum::crc32c_append`].
+    fn crc32c_append(&self, crc: u32) -> u32;
 }
 
 impl SendBuf {
-    pub fn bytes(&self) -> &[u8] {
+    fn slice(&self) -> Option<&[u8]> {
         match self {
-            SendBuf::Vec(v) => v,
-            SendBuf::Static(s) => s,
-            SendBuf::Shared(a) => (**a).as_ref(),
-            SendBuf::Payload(p) => p,
+            SendBuf::Vec(v) => Some(v),
+            SendBuf::Static(s) => Some(s),
+            SendBuf::Shared(a) => Some((**a).as_ref()),
+            SendBuf::Payload(p) => Some(p),
+            SendBuf::Raw(_) => None,
+        }
+    }
+
+    /// (address, length) of the bytes, for `writev`.
+    pub(crate) fn raw(&self) -> (*const u8, usize) {
+        match (self, self.slice()) {
+            (_, Some(s)) => (s.as_ptr(), s.len()),
+            (SendBuf::Raw(r), None) => r.raw(),
+            (_, None) => unreachable!("only raw buffers have no slice"),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.raw().1
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// CRC-32C of the bytes continued from `crc`.
+    pub fn crc32c_append(&self, crc: u32) -> u32 {
+        match (self, self.slice()) {
+            (_, Some(s)) => crate::checksum::crc32c_append(crc, s),
+            (SendBuf::Raw(r), None) => r.crc32c_append(crc),
+            (_, None) => unreachable!("only raw buffers have no slice"),
+        }
+    }
+
+    /// The bytes of `parts`, joined into one vector (an in-process delivery, say).
+    pub fn concat(parts: &[SendBuf]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(parts.iter().map(SendBuf::len).sum());
+        for p in parts {
+            p.append_to(&mut out);
+        }
+        out
+    }
+
+    /// Append a copy of the bytes to `out`.
+    pub fn append_to(&self, out: &mut Vec<u8>) {
+        if let Some(s) = self.slice() {
+            out.extend_from_slice(s);
+            return;
+        }
+        let (ptr, len) = self.raw();
+        out.reserve(len);
+        // SAFETY: RawBytes promises `len` readable, unchanging bytes at `ptr` while `self`
+        // lives; `out` has room for them after its length (reserved above), a distinct
+        // allocation, and they are initialised once copied.
+        unsafe {
+            std::ptr::copy_nonoverlapping(ptr, out.as_mut_ptr().add(out.len()), len);
+            out.set_len(out.len() + len);
         }
     }
 }
@@ -84,7 +152,7 @@ impl OutMessage {
     }
 
     pub fn len(&self) -> usize {
-        self.parts.iter().map(|p| p.bytes().len()).sum()
+        self.parts.iter().map(SendBuf::len).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -116,10 +184,7 @@ impl OutFrame {
                 max: payload_max,
             });
         }
-        let crc = msg
-            .parts
-            .iter()
-            .fold(0, |c, p| crate::checksum::crc32c_append(c, p.bytes()));
+        let crc = msg.parts.iter().fold(0, |c, p| p.crc32c_append(c));
         let header = Header {
             kind,
             flags,

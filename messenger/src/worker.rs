@@ -23,7 +23,7 @@
 //! bytes already buffered stay where they are, so nothing is lost or reordered.
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::io::{self, IoSliceMut, Read};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering::Relaxed};

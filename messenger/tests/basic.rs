@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use common::*;
 use nvstore_messenger::{
-    Config, Dispatcher, Error, Identity, Incoming, Messenger, OutMessage, Payload, Responder,
-    Secret,
+    Config, Dispatcher, Error, Identity, Incoming, Messenger, OutMessage, Payload, RawBytes,
+    Responder, Secret, SendBuf,
 };
 
 const T: Duration = Duration::from_secs(10);
@@ -46,6 +46,19 @@ fn request_reply_round_trips_bytes_and_binds_identities() {
 
 /// Multi-part payloads of several MiB go out from the caller's buffers and come back intact
 /// through the large-frame path; small and large frames interleave on one connection.
+/// A region handed to the messenger by address (as a node sends a DMA buffer).
+struct RawRegion(Arc<[u8]>);
+
+// SAFETY: the Arc keeps the bytes alive and nothing writes them.
+unsafe impl RawBytes for RawRegion {
+    fn raw(&self) -> (*const u8, usize) {
+        (self.0.as_ptr(), self.0.len())
+    }
+    fn crc32c_append(&self, crc: u32) -> u32 {
+        nvstore_messenger::checksum::crc32c_append(crc, &self.0)
+    }
+}
+
 #[test]
 fn large_and_small_frames_interleave_intact() {
     let k = Secret::generate();
@@ -63,12 +76,18 @@ fn large_and_small_frames_interleave_intact() {
         .map(|i| (i * 7 + i / 4096) as u8)
         .collect::<Vec<_>>()
         .into();
+    // Sent by address only, with its own crc (a DMA buffer's way).
+    let raw: Arc<[u8]> = (0..300_001usize)
+        .map(|i| (i * 13) as u8)
+        .collect::<Vec<_>>()
+        .into();
     let (tx, rx) = crossbeam::channel::unbounded();
     for i in 0..12usize {
         let msg = match i % 3 {
             0 => OutMessage::new(ECHO, big.clone()),
             1 => OutMessage::new(ECHO, vec![i as u8; 100])
                 .with_part(big.clone())
+                .with_part(SendBuf::Raw(Box::new(RawRegion(raw.clone()))))
                 .with_part(&b"tail"[..]),
             _ => OutMessage::new(ECHO, vec![i as u8; 17_000]),
         };
@@ -81,9 +100,10 @@ fn large_and_small_frames_interleave_intact() {
         match i % 3 {
             0 => assert!(*p == *big),
             1 => {
-                assert_eq!(p.len(), 100 + big.len() + 4);
+                assert_eq!(p.len(), 100 + big.len() + raw.len() + 4);
                 assert!(p[..100].iter().all(|&b| b == i as u8));
                 assert!(p[100..100 + big.len()] == *big);
+                assert!(p[100 + big.len()..p.len() - 4] == *raw);
                 assert_eq!(&p[p.len() - 4..], b"tail");
             }
             _ => assert!(p.len() == 17_000 && p.iter().all(|&b| b == i as u8)),

@@ -949,7 +949,7 @@ impl Node {
         }
         self.counters.read_ops.fetch_add(1, Relaxed);
         parts.push(SendBuf::Vec(e.0));
-        parts.retain(|p| !p.bytes().is_empty());
+        parts.retain(|p| !p.is_empty());
         Ok(parts)
     }
 }
@@ -960,7 +960,7 @@ fn shared_bytes(r: &Result<Vec<SendBuf>>) -> u64 {
         parts
             .iter()
             .filter(|p| matches!(p, SendBuf::Shared(_)))
-            .map(|p| p.bytes().len() as u64)
+            .map(|p| p.len() as u64)
             .sum()
     })
 }

@@ -11,10 +11,11 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use driver::{BlockDevice, FileDevice};
-use store::{AsyncCommit, ObjectKey, Store, StoreError, Transaction};
+use store::{AsyncCommit, ObjectKey, Part, ReadBuf, Store, StoreError, Transaction};
 
 use crate::error::{Error, Result};
 use crate::wire::{Dec, Enc, Status};
+use messenger::SendBuf;
 
 /// Rollback bytes kept inline in the `nv.rb` xattr up to this size.
 const ROLLBACK_INLINE_BYTES_MAX: usize = 32 << 10;
@@ -402,7 +403,7 @@ impl Local {
         offset: u64,
         len: u64,
         cached: bool,
-    ) -> Result<Vec<u8>> {
+    ) -> Result<ReadBuf> {
         let st = self.store(pool, pg);
         let key = ObjectKey::new(pool, name, shard);
         let have = self.meta(st, &key)?.map_or(0, |m| m.version);
@@ -413,16 +414,16 @@ impl Local {
             ));
         }
         if len == 0 {
-            return Ok(Vec::new());
+            return Ok(ReadBuf::default());
         }
         let r = if cached {
             st.read(&key, offset, len)
         } else {
             st.read_uncached(&key, offset, len)
         };
-        match r.map(|b| b.to_vec()) {
-            Ok(v) => Ok(v),
-            Err(StoreError::NotFound(_)) => Ok(Vec::new()),
+        match r {
+            Ok(b) => Ok(b),
+            Err(StoreError::NotFound(_)) => Ok(ReadBuf::default()),
             Err(e) => Err(e.into()),
         }
     }
@@ -879,6 +880,67 @@ impl Local {
     }
 }
 
+/// A shard read's reply: `e` (the reply so far), the length, then the bytes as they lie:
+/// device buffers by address (no copy into a message buffer; see [`DmaSlice`]), cached chunks
+/// shared, holes as zeros. The same bytes on the wire as [`encode_read`].
+pub fn read_reply(mut e: Enc, r: ReadBuf) -> Vec<SendBuf> {
+    e.u32(r.len() as u32);
+    let mut parts = vec![SendBuf::Vec(e.finish())];
+    for p in r.parts {
+        parts.push(match p {
+            Part::Data { buf, start, len } => SendBuf::Raw(Box::new(DmaSlice { buf, start, len })),
+            Part::Zeros(n) => SendBuf::Vec(vec![0; n]),
+            Part::Cached { chunk, start, len } => {
+                SendBuf::Shared(Arc::new(CachedSlice { chunk, start, len }))
+            }
+        });
+    }
+    parts
+}
+
+/// A shard read's reply bytes after `e`, copied (the primary's own shard: no message).
+pub fn encode_read(e: &mut Enc, r: &ReadBuf) {
+    e.u32(r.len() as u32);
+    r.append_to(&mut e.0);
+}
+
+/// `len` bytes at `start` of a buffer the device read into, handed to the messenger by address.
+struct DmaSlice {
+    buf: driver::DmaBuf,
+    start: usize,
+    len: usize,
+}
+
+// SAFETY: the DmaBuf is owned here and its read has completed (the store returns buffers only
+// after their completions), so no device or thread writes it while this lives; the range was
+// checked against the buffer when the store made the part.
+unsafe impl messenger::RawBytes for DmaSlice {
+    fn raw(&self) -> (*const u8, usize) {
+        assert!(
+            self.start + self.len <= self.buf.len(),
+            "slice inside its buffer"
+        );
+        (self.buf.as_ptr().wrapping_add(self.start), self.len)
+    }
+
+    fn crc32c_append(&self, crc: u32) -> u32 {
+        self.buf.crc32c(crc, self.start, self.len)
+    }
+}
+
+/// Part of a cached chunk (ordinary memory), shared with the messenger.
+struct CachedSlice {
+    chunk: Arc<store::cache::Cached>,
+    start: usize,
+    len: usize,
+}
+
+impl AsRef<[u8]> for CachedSlice {
+    fn as_ref(&self) -> &[u8] {
+        &self.chunk.bytes()[self.start..self.start + self.len]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -967,7 +1029,7 @@ mod store_tests {
         let data = if v == 0 {
             Vec::new()
         } else {
-            l.read(1, 3, b"obj", 2, v, 0, u64::MAX, true).unwrap()
+            l.read(1, 3, b"obj", 2, v, 0, u64::MAX, true).unwrap().to_vec()
         };
         (st, data)
     }

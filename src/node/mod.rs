@@ -547,8 +547,7 @@ impl Node {
                         let data = self
                             .local
                             .read(pool, pg, name, shard, version, off, len, cached)?;
-                        e.u32(data.len() as u32);
-                        return Ok(vec![SendBuf::Vec(e.finish()), SendBuf::Vec(data)]);
+                        return Ok(local::read_reply(e, data));
                     }
                     wire::MSG_SHARD_STAT => {
                         d.end()?;

@@ -395,10 +395,7 @@ impl Node {
         msg_type: u16,
     ) -> impl Fn(usize, Vec<SendBuf>) -> Result<Payload> + '_ {
         move |_slot, parts: Vec<SendBuf>| {
-            let body: Vec<u8> = parts
-                .iter()
-                .flat_map(|p| p.bytes().iter().copied())
-                .collect();
+            let body = SendBuf::concat(&parts);
             self.local_shard_op(msg_type, &body).map(Payload::from_vec)
         }
     }
@@ -422,11 +419,10 @@ impl Node {
                     wire::MSG_SHARD_READ => {
                         let (v, off, len) = (d.u64()?, d.u64()?, d.u64()?);
                         let cached = d.opt_flags()? & wire::SHARD_READ_FROM_DEVICE == 0;
-                        e.bytes(
-                            &self
-                                .local
-                                .read(pool, pg, name, shard, v, off, len, cached)?,
-                        );
+                        let r = self
+                            .local
+                            .read(pool, pg, name, shard, v, off, len, cached)?;
+                        super::local::encode_read(&mut e, &r);
                     }
                     wire::MSG_SHARD_STAT => self.local.stat(pool, pg, name, shard)?.encode(&mut e),
                     _ => {

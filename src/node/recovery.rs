@@ -535,8 +535,7 @@ impl Node {
                 let data = self
                     .local
                     .read(pool, pg, name, shard, version, off, len, false)?;
-                e.u32(data.len() as u32);
-                return Ok(vec![SendBuf::Vec(e.finish()), SendBuf::Vec(data)]);
+                return Ok(super::local::read_reply(e, data));
             }
             t => return Err(Error::Malformed(format!("not a recovery message: {t}"))),
         }
@@ -774,10 +773,7 @@ impl Node {
             .map(|(s, b)| (s, vec![SendBuf::Vec(b)]))
             .collect();
         let local = |_slot: usize, parts: Vec<SendBuf>| -> Result<Payload> {
-            let body: Vec<u8> = parts
-                .iter()
-                .flat_map(|p| p.bytes().iter().copied())
-                .collect();
+            let body = SendBuf::concat(&parts);
             self.local_recovery_op(msg_type, &body)
                 .map(Payload::from_vec)
         };
@@ -802,7 +798,8 @@ impl Node {
             wire::MSG_RECOVERY_READ => {
                 let (pool, pg, name, shard) = (d.u64()?, d.u32()?, d.bytes()?, d.u8()?);
                 let (v, off, len) = (d.u64()?, d.u64()?, d.u64()?);
-                e.bytes(&self.local.read(pool, pg, name, shard, v, off, len, false)?);
+                let r = self.local.read(pool, pg, name, shard, v, off, len, false)?;
+                super::local::encode_read(&mut e, &r);
             }
             wire::MSG_PG_LOG => {
                 let (pool, pg) = (d.u64()?, d.u32()?);

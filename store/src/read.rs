@@ -112,16 +112,22 @@ impl ReadBuf {
     /// The bytes in a new Vec (copied once; no zeroing pass first).
     pub fn to_vec(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(self.len());
+        self.append_to(&mut v);
+        v
+    }
+
+    /// Append the bytes to `v` (copied once).
+    pub fn append_to(&self, v: &mut Vec<u8>) {
+        v.reserve(self.len());
         for p in &self.parts {
             match p {
-                Part::Data { buf, start, len } => buf.append_to(*start, *len, &mut v),
+                Part::Data { buf, start, len } => buf.append_to(*start, *len, v),
                 Part::Zeros(n) => v.resize(v.len() + n, 0),
                 Part::Cached { chunk, start, len } => {
                     v.extend_from_slice(&chunk.bytes()[*start..start + len])
                 }
             }
         }
-        v
     }
 }
 

@@ -1,6 +1,7 @@
 //! The send path: queued frames go out with vectored writes from the callers' buffers.
 
 use super::*;
+use crate::SendBuf;
 
 #[derive(Default)]
 pub(super) struct Tx {
@@ -102,15 +103,22 @@ pub(super) fn write_queued(
     quantum: usize,
 ) -> Result<Written, Close> {
     let mut left = quantum;
+    let fd = sock.as_raw_fd();
     while !tx.queue.is_empty() {
         if left == 0 {
             return Ok(Written::Quantum);
         }
-        let (r, asked) = {
-            let mut iov = [IoSlice::new(&[]); IOV_MAX];
-            let k = gather(tx, &mut iov, left);
-            let asked: usize = iov[..k].iter().map(|s| s.len()).sum();
-            (sock.write_vectored(&iov[..k]), asked)
+        let mut iov = [EMPTY_IOV; IOV_MAX];
+        let k = gather(tx, &mut iov, left);
+        let asked: usize = iov[..k].iter().map(|v| v.iov_len).sum();
+        // SAFETY: the k iovecs describe bytes of frames in `tx.queue` (buffers the frames own,
+        // or RawBytes regions valid while they live), which stay queued, unchanged, for the
+        // whole call: `tx` is borrowed.
+        let r = unsafe { libc::writev(fd, iov.as_ptr(), k as libc::c_int) };
+        let r = if r < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(r as usize)
         };
         match r {
             Ok(0) => return Err(Close::Io(io::ErrorKind::WriteZero.into())),
@@ -130,22 +138,32 @@ pub(super) fn write_queued(
     Ok(Written::Done)
 }
 
-/// Fill `iov` with up to `max` unwritten bytes of the queued frames; returns how many slices.
-pub(super) fn gather<'a>(tx: &'a Tx, iov: &mut [IoSlice<'a>; IOV_MAX], max: usize) -> usize {
+const EMPTY_IOV: libc::iovec = libc::iovec {
+    iov_base: std::ptr::null_mut(),
+    iov_len: 0,
+};
+
+/// Fill `iov` with up to `max` unwritten bytes of the queued frames, by address (a raw part
+/// is never borrowed as a slice); returns how many entries.
+pub(super) fn gather(tx: &Tx, iov: &mut [libc::iovec; IOV_MAX], max: usize) -> usize {
     let mut k = 0;
     let mut skip = tx.head_done;
     let mut room = max;
     'frames: for f in &tx.queue {
-        let segs = std::iter::once(&f.header[..])
-            .chain(f.parts.iter().map(|p| p.bytes()))
-            .chain(std::iter::once(&f.trailer[..]));
-        for seg in segs {
-            if skip >= seg.len() {
-                skip -= seg.len();
+        let segs = std::iter::once((f.header.as_ptr(), f.header.len()))
+            .chain(f.parts.iter().map(SendBuf::raw))
+            .chain(std::iter::once((f.trailer.as_ptr(), f.trailer.len())));
+        for (ptr, len) in segs {
+            if skip >= len {
+                skip -= len;
                 continue;
             }
-            let take = (seg.len() - skip).min(room);
-            iov[k] = IoSlice::new(&seg[skip..skip + take]);
+            let take = (len - skip).min(room);
+            iov[k] = libc::iovec {
+                // The address only: wrapping_add forms no reference and is in bounds here.
+                iov_base: ptr.wrapping_add(skip) as *mut libc::c_void,
+                iov_len: take,
+            };
             skip = 0;
             k += 1;
             room -= take;
