@@ -28,7 +28,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use messenger::{Identity, Incoming, SendBuf};
@@ -303,23 +303,52 @@ pub struct RecordCounts {
 
 // ---- cache --------------------------------------------------------------------------------
 
-/// A view into a shared buffer, sent without a copy.
+/// A view into a shared buffer, sent without a copy. Views of the same range share one
+/// crc (`crc`): the frame checksum of a hundred identical replies is computed once.
 struct Slice {
     data: Arc<Vec<u8>>,
     at: usize,
     len: usize,
+    crc: Arc<OnceLock<u32>>,
     inflight: Arc<Inflight>,
 }
 
 impl Slice {
-    fn new(data: Arc<Vec<u8>>, at: usize, len: usize, inflight: &Arc<Inflight>) -> Slice {
+    fn new(
+        data: Arc<Vec<u8>>,
+        at: usize,
+        len: usize,
+        crc: Arc<OnceLock<u32>>,
+        inflight: &Arc<Inflight>,
+    ) -> Slice {
+        assert!(at + len <= data.len(), "slice inside its buffer");
         inflight.add(len as u64);
         Slice {
             data,
             at,
             len,
+            crc,
             inflight: inflight.clone(),
         }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &self.data[self.at..self.at + self.len]
+    }
+}
+
+// SAFETY: the bytes are a range of a Vec behind an Arc this slice holds (checked in `new`);
+// nobody mutates a shared Vec, so they stay valid and unchanged while the slice lives.
+unsafe impl messenger::RawBytes for Slice {
+    fn raw(&self) -> (*const u8, usize) {
+        (self.bytes().as_ptr(), self.len)
+    }
+
+    fn crc32c_append(&self, crc: u32) -> u32 {
+        let own = *self
+            .crc
+            .get_or_init(|| messenger::checksum::crc32c(self.bytes()));
+        messenger::checksum::crc32c_combine(crc, own, self.len)
     }
 }
 
@@ -364,12 +393,6 @@ impl Inflight {
             }
             b = self.drained.wait_timeout(b, deadline - now).unwrap().0;
         }
-    }
-}
-
-impl AsRef<[u8]> for Slice {
-    fn as_ref(&self) -> &[u8] {
-        &self.data[self.at..self.at + self.len]
     }
 }
 
@@ -602,6 +625,8 @@ struct Fetch {
     data: Option<Arc<Vec<u8>>>,
     at: usize,
     err: Option<(Status, String)>,
+    /// CRC-32C of the whole range, once a reply of exactly it computed it.
+    crc: Arc<OnceLock<u32>>,
 }
 
 /// Merge ranges that overlap or touch; returns the merged ranges.
@@ -790,6 +815,7 @@ impl Node {
                 data: None,
                 at: 0,
                 err: None,
+                crc: Arc::default(),
             })
             .collect();
         let tag = Tag::of(&st);
@@ -907,10 +933,16 @@ impl Node {
                             return Err(Error::remote(*s, m.clone()));
                         }
                         let d = f.data.clone().expect("fetched or failed");
+                        let crc = if (lo, hi) == (f.lo, f.hi) {
+                            f.crc.clone()
+                        } else {
+                            Arc::default()
+                        };
                         slice = Some(Slice::new(
                             d,
                             f.at + (lo - f.lo) as usize,
                             (hi - lo) as usize,
+                            crc,
                             &self.hot.inflight,
                         ));
                     }
@@ -919,7 +951,7 @@ impl Node {
                     e.u8(5).u32(len as u32);
                     if let Some(s) = slice {
                         parts.push(SendBuf::Vec(std::mem::take(&mut e.0)));
-                        parts.push(SendBuf::Shared(Arc::new(s)));
+                        parts.push(SendBuf::Raw(Box::new(s)));
                     }
                 }
                 SubOp::Stat => ops::encode_result(
@@ -959,7 +991,7 @@ fn shared_bytes(r: &Result<Vec<SendBuf>>) -> u64 {
     r.as_ref().map_or(0, |parts| {
         parts
             .iter()
-            .filter(|p| matches!(p, SendBuf::Shared(_)))
+            .filter(|p| matches!(p, SendBuf::Raw(_)))
             .map(|p| p.len() as u64)
             .sum()
     })
@@ -1206,14 +1238,34 @@ mod tests {
     }
 
     #[test]
+    fn slices_of_one_range_share_one_crc_and_continue_any_seed() {
+        use messenger::checksum::{crc32c, crc32c_append};
+        use messenger::RawBytes;
+        let inflight = Arc::new(Inflight::default());
+        let data = Arc::new((0..5000u32).map(|i| (i * 7) as u8).collect::<Vec<u8>>());
+        let memo: Arc<OnceLock<u32>> = Arc::default();
+        let a = Slice::new(data.clone(), 100, 4000, memo.clone(), &inflight);
+        let b = Slice::new(data.clone(), 100, 4000, memo.clone(), &inflight);
+        let seed = crc32c(b"reply header");
+        assert_eq!(a.crc32c_append(seed), crc32c_append(seed, &data[100..4100]));
+        assert_eq!(
+            memo.get(),
+            Some(&crc32c(&data[100..4100])),
+            "computed once, kept"
+        );
+        assert_eq!(b.crc32c_append(7), crc32c_append(7, &data[100..4100]));
+        assert_eq!(b.raw(), (data[100..].as_ptr(), 4000));
+    }
+
+    #[test]
     fn large_replies_wait_for_the_messenger_to_drain() {
         let inflight = Arc::new(Inflight::default());
         let data = Arc::new(vec![0u8; 100]);
-        let mine = Slice::new(data.clone(), 10, 50, &inflight);
+        let mine = Slice::new(data.clone(), 10, 50, Arc::default(), &inflight);
         // Only the caller's own unsent reply is in flight: no wait, even over the budget.
         inflight.wait_room(50, 50, 10, Duration::from_secs(30));
-        let sent = Slice::new(data, 0, 100, &inflight);
-        assert_eq!((inflight.bytes(), mine.as_ref().len()), (150, 50));
+        let sent = Slice::new(data, 0, 100, Arc::default(), &inflight);
+        assert_eq!((inflight.bytes(), mine.bytes().len()), (150, 50));
         // 100 bytes sent and not drained + 50 > 120: waits until the messenger drops them.
         std::thread::scope(|s| {
             s.spawn(move || {

@@ -1029,7 +1029,9 @@ mod store_tests {
         let data = if v == 0 {
             Vec::new()
         } else {
-            l.read(1, 3, b"obj", 2, v, 0, u64::MAX, true).unwrap().to_vec()
+            l.read(1, 3, b"obj", 2, v, 0, u64::MAX, true)
+                .unwrap()
+                .to_vec()
         };
         (st, data)
     }
