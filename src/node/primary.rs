@@ -463,12 +463,32 @@ impl Node {
             })
             .collect();
         let mut states: Vec<Option<ShardState>> = vec![None; ctx.n()];
+        // Why each silent member is silent, for the error if the object cannot be resolved.
+        let mut silent = Vec::new();
         let local = self.local_small(wire::MSG_SHARD_STAT);
         for (slot, r) in self.fan_out(ctx, wire::MSG_SHARD_STAT, reqs, &local) {
-            if let Ok(p) = r {
-                states[slot] = parse_state(&p).ok();
+            match r {
+                Ok(p) => states[slot] = parse_state(&p).ok(),
+                // A member has heard from a newer primary of the PG (this node's map lags):
+                // the client must go there. Counting the member as silent instead would
+                // report a readable object as unavailable.
+                Err(
+                    e @ Error::Remote {
+                        status: Status::StaleEpoch,
+                        ..
+                    },
+                ) => {
+                    let _ = self.monc.subscribe();
+                    return Err(e);
+                }
+                Err(e) => silent.push(format!("shard {slot}: {e}")),
             }
         }
+        let silent = if silent.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", silent.join("; "))
+        };
         // Slots without a member hold nothing: they count as answered.
         let known = |states: &[Option<ShardState>], s: usize| {
             states[s].is_some() || ctx.acting.members[s].is_none()
@@ -487,7 +507,7 @@ impl Node {
                     Status::Unavailable,
                     format!(
                         "object {}: no answering member has it, but {unknown} member(s) do not \
-                         answer; retry when they are back",
+                         answer{silent}; retry when they are back",
                         String::from_utf8_lossy(name)
                     ),
                 ));
@@ -523,8 +543,8 @@ impl Node {
                     Status::Unavailable,
                     format!(
                         "object {}: version {top} is on {} shard(s) (k = {}), {unknown} \
-                         member(s) do not answer{}, so whether it was acknowledged is unknown; \
-                         retry when they are back (or after recovery)",
+                         member(s) do not answer{silent}{}, so whether it was acknowledged is \
+                         unknown; retry when they are back (or after recovery)",
                         String::from_utf8_lossy(name),
                         holders.len(),
                         ctx.k(),
