@@ -303,6 +303,12 @@ pub struct RecordCounts {
 
 // ---- cache --------------------------------------------------------------------------------
 
+/// Slices at least this long share their range's crc. Combining a known crc into a frame's
+/// (a GF(2) matrix squaring per bit of the length) measured 10 µs at 4 KiB and 16–17 µs at
+/// 1–4 MiB here, against 0.25 µs, 19 µs and 77 µs to sum those lengths: a gain for the
+/// megabyte replies of a hot object, a 40× loss for a 4 KiB one (random reads lost ~15 %).
+const CRC_SHARE_BYTES_MIN: usize = 1 << 20;
+
 /// A view into a shared buffer, sent without a copy. Views of the same range share one
 /// crc (`crc`): the frame checksum of a hundred identical replies is computed once.
 struct Slice {
@@ -345,6 +351,9 @@ unsafe impl messenger::RawBytes for Slice {
     }
 
     fn crc32c_append(&self, crc: u32) -> u32 {
+        if self.len < CRC_SHARE_BYTES_MIN {
+            return messenger::checksum::crc32c_append(crc, self.bytes());
+        }
         let own = *self
             .crc
             .get_or_init(|| messenger::checksum::crc32c(self.bytes()));
@@ -1242,19 +1251,26 @@ mod tests {
         use messenger::checksum::{crc32c, crc32c_append};
         use messenger::RawBytes;
         let inflight = Arc::new(Inflight::default());
-        let data = Arc::new((0..5000u32).map(|i| (i * 7) as u8).collect::<Vec<u8>>());
-        let memo: Arc<OnceLock<u32>> = Arc::default();
-        let a = Slice::new(data.clone(), 100, 4000, memo.clone(), &inflight);
-        let b = Slice::new(data.clone(), 100, 4000, memo.clone(), &inflight);
-        let seed = crc32c(b"reply header");
-        assert_eq!(a.crc32c_append(seed), crc32c_append(seed, &data[100..4100]));
-        assert_eq!(
-            memo.get(),
-            Some(&crc32c(&data[100..4100])),
-            "computed once, kept"
+        let data = Arc::new(
+            (0..3 << 20)
+                .map(|i: u32| (i * 7) as u8)
+                .collect::<Vec<u8>>(),
         );
-        assert_eq!(b.crc32c_append(7), crc32c_append(7, &data[100..4100]));
-        assert_eq!(b.raw(), (data[100..].as_ptr(), 4000));
+        let memo: Arc<OnceLock<u32>> = Arc::default();
+        let (at, n) = (100, 2 << 20);
+        let a = Slice::new(data.clone(), at, n, memo.clone(), &inflight);
+        let b = Slice::new(data.clone(), at, n, memo.clone(), &inflight);
+        let seed = crc32c(b"reply header");
+        let want = &data[at..at + n];
+        assert_eq!(a.crc32c_append(seed), crc32c_append(seed, want));
+        assert_eq!(memo.get(), Some(&crc32c(want)), "computed once, kept");
+        assert_eq!(b.crc32c_append(7), crc32c_append(7, want));
+        assert_eq!(b.raw(), (want.as_ptr(), n));
+        // A small slice sums its bytes (no memo).
+        let small_memo: Arc<OnceLock<u32>> = Arc::default();
+        let c = Slice::new(data.clone(), 5, 4096, small_memo.clone(), &inflight);
+        assert_eq!(c.crc32c_append(seed), crc32c_append(seed, &data[5..4101]));
+        assert_eq!(small_memo.get(), None);
     }
 
     #[test]
