@@ -437,6 +437,24 @@ impl Node {
         Ok(e.finish())
     }
 
+    /// A member's `StaleEpoch` says it has heard from a newer primary of the PG: this node
+    /// no longer leads it. That ends the op (`Err`, after asking for the newer map; the client
+    /// refreshes its own and retries at the new primary); any other outcome is handed back.
+    pub(super) fn unless_superseded<T>(&self, r: Result<T>) -> Result<Result<T>> {
+        match r {
+            Err(
+                e @ Error::Remote {
+                    status: Status::StaleEpoch,
+                    ..
+                },
+            ) => {
+                let _ = self.monc.subscribe();
+                Err(e)
+            }
+            r => Ok(r),
+        }
+    }
+
     pub(super) fn shard_req_head(&self, ctx: &Ctx, name: &[u8], slot: usize) -> Enc {
         let mut e = Enc::new(ctx.map.epoch);
         e.u64(ctx.pool.id).u32(ctx.pg).bytes(name).u8(slot as u8);
@@ -467,20 +485,10 @@ impl Node {
         let mut silent = Vec::new();
         let local = self.local_small(wire::MSG_SHARD_STAT);
         for (slot, r) in self.fan_out(ctx, wire::MSG_SHARD_STAT, reqs, &local) {
-            match r {
+            // Counting a superseded member as silent would report a readable object as
+            // unavailable: the client must go to the new primary instead.
+            match self.unless_superseded(r)? {
                 Ok(p) => states[slot] = parse_state(&p).ok(),
-                // A member has heard from a newer primary of the PG (this node's map lags):
-                // the client must go there. Counting the member as silent instead would
-                // report a readable object as unavailable.
-                Err(
-                    e @ Error::Remote {
-                        status: Status::StaleEpoch,
-                        ..
-                    },
-                ) => {
-                    let _ = self.monc.subscribe();
-                    return Err(e);
-                }
                 Err(e) => silent.push(format!("shard {slot}: {e}")),
             }
         }
@@ -1252,20 +1260,9 @@ impl Node {
                 let replies =
                     self.fan_out_with(&sub, wire::MSG_SHARD_WRITE, reqs, &local, Some(&start));
                 for (slot, r) in replies {
-                    match r {
+                    // The new primary settles the object.
+                    match self.unless_superseded(r)? {
                         Ok(_) => acked |= bit(slot),
-                        // A member has heard from a newer primary of the PG: this node no
-                        // longer leads it. The new primary settles the object; the client
-                        // refreshes its map and retries there.
-                        Err(
-                            e @ Error::Remote {
-                                status: Status::StaleEpoch,
-                                ..
-                            },
-                        ) => {
-                            let _ = self.monc.subscribe();
-                            return Err(e);
-                        }
                         Err(e) => {
                             last_err = format!("shard {slot}: {e}");
                             failed |= bit(slot);
