@@ -17,8 +17,10 @@ pub enum SendBuf {
     Shared(Arc<dyn AsRef<[u8]> + Send + Sync>),
     /// Forward received bytes without copying.
     Payload(Payload),
-    /// Memory the messenger must not form a Rust reference to (a DMA buffer a device read
-    /// into): its address goes to `writev`, its checksum comes from [`RawBytes`].
+    /// Bytes sent by address: memory the messenger must not form a Rust reference to (a DMA
+    /// buffer a device read into), or whose owner knows its checksum better (a shared reply
+    /// buffer whose crc is computed once). The address goes to `writev`; the checksum comes
+    /// from [`RawBytes`].
     Raw(Box<dyn RawBytes>),
 }
 

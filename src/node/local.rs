@@ -888,7 +888,13 @@ pub fn read_reply(mut e: Enc, r: ReadBuf) -> Vec<SendBuf> {
     let mut parts = vec![SendBuf::Vec(e.finish())];
     for p in r.parts {
         parts.push(match p {
-            Part::Data { buf, start, len } => SendBuf::Raw(Box::new(DmaSlice { buf, start, len })),
+            Part::Data { buf, start, len } => {
+                assert!(
+                    start + len <= buf.len(),
+                    "a read part lies inside its buffer"
+                );
+                SendBuf::Raw(Box::new(DmaSlice { buf, start, len }))
+            }
             Part::Zeros(n) => SendBuf::Vec(vec![0; n]),
             Part::Cached { chunk, start, len } => {
                 SendBuf::Shared(Arc::new(CachedSlice { chunk, start, len }))
@@ -913,13 +919,9 @@ struct DmaSlice {
 
 // SAFETY: the DmaBuf is owned here and its read has completed (the store returns buffers only
 // after their completions), so no device or thread writes it while this lives; the range was
-// checked against the buffer when the store made the part.
+// checked against the buffer when `read_reply` made the slice.
 unsafe impl messenger::RawBytes for DmaSlice {
     fn raw(&self) -> (*const u8, usize) {
-        assert!(
-            self.start + self.len <= self.buf.len(),
-            "slice inside its buffer"
-        );
         (self.buf.as_ptr().wrapping_add(self.start), self.len)
     }
 
