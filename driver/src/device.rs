@@ -335,9 +335,11 @@ pub trait BlockDevice: Send + Sync {
     /// at least `dma_alignment` (buffers are page aligned on every backend).
     fn alloc_buf(&self, len: usize) -> Result<DmaBuf>;
 
-    /// Memory for a read that will overwrite all `len` bytes: like [`alloc_buf`], but it may
-    /// be a recycled buffer still holding bytes of an earlier IO (initialised, not zeroed), so
-    /// the IO path pays for neither an allocation nor a zeroing pass. By default `alloc_buf`.
+    /// Memory whose `len` bytes the caller overwrites before they are used (a read's
+    /// destination, or a write's staging copy that fills the whole buffer): like [`alloc_buf`],
+    /// but it may be a recycled buffer still holding bytes of an earlier IO (initialised, not
+    /// zeroed), so the IO path pays for neither an allocation nor a zeroing pass. By default
+    /// `alloc_buf`.
     ///
     /// [`alloc_buf`]: BlockDevice::alloc_buf
     fn alloc_read_buf(&self, len: usize) -> Result<DmaBuf> {

@@ -159,7 +159,7 @@ impl<D: BlockDevice> Cleaner<D> {
                 let at = (r.offset.get() - base) as usize;
                 let bytes = &image[at..at + r.len.get() as usize];
                 // A corrupt chunk is not relocated: scrub and reads report it.
-                (crc32c::crc32c(bytes) == r.crc.get()).then(|| bytes.to_vec())
+                (crate::data_crc(bytes) == r.crc.get()).then(|| bytes.to_vec())
             };
             let mut chunks = Vec::with_capacity(m.chunks.len());
             let mut ok = true;

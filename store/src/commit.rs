@@ -1293,7 +1293,7 @@ fn item_crc(a: &Accepted, m: usize, i: usize) -> u32 {
     };
     match p.chunks.get(i) {
         Some(ChunkSrc::New(_, crc)) => *crc,
-        _ => crc32c::crc32c(item_bytes(a, m, i)),
+        _ => crate::data_crc(item_bytes(a, m, i)),
     }
 }
 

@@ -109,6 +109,14 @@ impl Default for StoreConfig {
 /// scan in between misses the key; an entry that is never replaced has no such moment.
 pub(crate) type Index = SkipMap<ObjectKey, ArcSwap<ObjectMeta>>;
 
+/// CRC-32C of object data (a chunk's crc in its record). `crc-fast` folds with
+/// VPCLMULQDQ where the CPU has it: on a 4 MiB write_full the `crc32c` crate's loop was 13 % of
+/// the writer threads' CPU. Same values as `crc32c::crc32c` (tested).
+#[inline]
+pub(crate) fn data_crc(data: &[u8]) -> u32 {
+    crc_fast::crc32_iscsi(data)
+}
+
 /// Set `key`'s state: in place when it has an entry (readers see the old or the new state,
 /// never none), else a new entry. Only one thread writes an index (the commit thread; at open,
 /// the replay).
@@ -268,5 +276,31 @@ impl<D: BlockDevice + 'static> Store<D> {
 impl<D: BlockDevice + 'static> Drop for Store<D> {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn data_crc_matches_the_crc32c_crate() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let data: Vec<u8> = (0..(1 << 20) + 4099)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        for len in [0, 1, 7, 64, 4095, 4096, 65_537, data.len()] {
+            for start in [0, 3] {
+                let d = &data[start..len.max(start)];
+                assert_eq!(
+                    super::data_crc(d),
+                    crc32c::crc32c(d),
+                    "len {len} start {start}"
+                );
+            }
+        }
     }
 }

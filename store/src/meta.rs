@@ -38,7 +38,7 @@ pub fn chunk_digest(chunk_crcs: impl IntoIterator<Item = u32>) -> u32 {
 
 /// The checksum `stat` reports for `data` stored with `chunk_bytes` chunks.
 pub fn content_checksum(data: &[u8], chunk_bytes: usize) -> u32 {
-    chunk_digest(data.chunks(chunk_bytes).map(crc32c::crc32c))
+    chunk_digest(data.chunks(chunk_bytes).map(crate::data_crc))
 }
 
 impl ObjectMeta {

@@ -409,11 +409,12 @@ impl<D: BlockDevice> Shared<D> {
                         Chunk::Hole => (ChunkSrc::Hole, None),
                         Chunk::Lent(l) => {
                             let bytes = crate::commit::lent_bytes(&l);
-                            let crc = crc32c::crc32c(bytes);
+                            let crc = crate::data_crc(bytes);
                             // Whole chunks of big writes are copied into DMA memory here, on
-                            // the caller's thread, so the commit thread only submits them.
+                            // the caller's thread, so the commit thread only submits them. The
+                            // copy overwrites every byte, so a recycled buffer is not zeroed.
                             let buf = (dma && bytes.len() as u64 == cb)
-                                .then(|| self.dev.alloc_buf(bytes.len()).ok())
+                                .then(|| self.dev.alloc_read_buf(bytes.len()).ok())
                                 .flatten();
                             let src = match buf {
                                 Some(mut buf) => {
@@ -425,7 +426,7 @@ impl<D: BlockDevice> Shared<D> {
                             (ChunkSrc::New(src, crc), Some(crc))
                         }
                         Chunk::Owned(v) => {
-                            let crc = crc32c::crc32c(&v);
+                            let crc = crate::data_crc(&v);
                             (ChunkSrc::New(DataRef::Owned(v), crc), Some(crc))
                         }
                     };
