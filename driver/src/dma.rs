@@ -13,6 +13,47 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 
+/// Copies shorter than this use plain stores (a small copy's lines are cheap to keep).
+const STREAM_BYTES_MIN: usize = 4096;
+
+/// Copy `src` to `dst` (32-byte aligned) with 32-byte non-temporal stores, then fence.
+///
+/// # Safety
+/// `dst..dst+src.len()` must be valid for writes, not overlap `src`, and be 32-byte aligned;
+/// the CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn stream_copy_avx2(dst: *mut u8, src: &[u8]) {
+    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256, _mm_sfence};
+    let n = src.len() / 128 * 128;
+    let mut i = 0;
+    while i < n {
+        // SAFETY: i + 128 <= src.len(); loads are unaligned; stores land in dst's range at
+        // 32-byte aligned addresses (dst aligned, i a multiple of 128).
+        unsafe {
+            let s = src.as_ptr().add(i) as *const __m256i;
+            let d = dst.add(i) as *mut __m256i;
+            let (a, b, c, e) = (
+                _mm256_loadu_si256(s),
+                _mm256_loadu_si256(s.add(1)),
+                _mm256_loadu_si256(s.add(2)),
+                _mm256_loadu_si256(s.add(3)),
+            );
+            _mm256_stream_si256(d, a);
+            _mm256_stream_si256(d.add(1), b);
+            _mm256_stream_si256(d.add(2), c);
+            _mm256_stream_si256(d.add(3), e);
+        }
+        i += 128;
+    }
+    // SAFETY: the tail stays within both ranges; the fence orders the streaming stores before
+    // anything that follows (the buffer is handed to the device after this returns).
+    unsafe {
+        std::ptr::copy_nonoverlapping(src.as_ptr().add(n), dst.add(n), src.len() - n);
+        _mm_sfence();
+    }
+}
+
 /// Who hands a region back when a [`DmaBuf`] is dropped.
 ///
 /// # Safety
@@ -99,6 +140,30 @@ impl DmaBuf {
         unsafe {
             std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len())
         }
+    }
+
+    /// Copy `src` into the buffer at `offset` with non-temporal (streaming) stores where the
+    /// CPU has AVX2 and the destination is 32-byte aligned: for a staging copy the device reads
+    /// next, not the CPU, this skips reading every destination line into the cache first and
+    /// leaves the cache to the caller. Otherwise the same as [`write_at`](Self::write_at).
+    pub fn write_at_streaming(&mut self, offset: usize, src: &[u8]) {
+        self.check(offset, src.len());
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: offset + len is within the buffer (checked above); the address is only
+            // inspected here.
+            let dst = unsafe { self.ptr.as_ptr().add(offset) };
+            if src.len() >= STREAM_BYTES_MIN
+                && (dst as usize).is_multiple_of(32)
+                && std::arch::is_x86_feature_detected!("avx2")
+            {
+                // SAFETY: bounds checked above; exclusive access through &mut self; src is a
+                // distinct allocation; AVX2 was detected at run time.
+                unsafe { stream_copy_avx2(dst, src) };
+                return;
+            }
+        }
+        self.write_at(offset, src)
     }
 
     /// Copy bytes at `offset` out into `dst`. Panics if the range is out of bounds.
@@ -374,6 +439,35 @@ impl Drop for HostMemory {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn streaming_copy_writes_every_byte_and_nothing_else() {
+        let mem = HostMemory::new(4096);
+        let src: Vec<u8> = (0..70_001u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        for (offset, len) in [
+            (0, 70_001),
+            (32, 4096),
+            (64, 4097 + 127),
+            (0, 4096),
+            (5, 9000),
+            (0, 100),
+        ] {
+            let mut buf = mem.alloc(80 << 10).unwrap();
+            buf.fill(0, buf.len(), 0xee);
+            buf.write_at_streaming(offset, &src[..len]);
+            let mut out = vec![0u8; buf.len()];
+            buf.read_at(0, &mut out);
+            assert!(
+                out[..offset].iter().all(|&b| b == 0xee),
+                "before, {offset}+{len}"
+            );
+            assert_eq!(&out[offset..offset + len], &src[..len], "{offset}+{len}");
+            assert!(
+                out[offset + len..].iter().all(|&b| b == 0xee),
+                "after, {offset}+{len}"
+            );
+        }
+    }
 
     #[test]
     fn classes_cover_every_size_and_buffers_are_reused() {

@@ -418,7 +418,7 @@ impl<D: BlockDevice> Shared<D> {
                                 .flatten();
                             let src = match buf {
                                 Some(mut buf) => {
-                                    buf.write_at(0, bytes);
+                                    buf.write_at_streaming(0, bytes);
                                     DataRef::Dma(Some(buf), bytes.len())
                                 }
                                 None => DataRef::Lent(l),
