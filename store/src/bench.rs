@@ -22,14 +22,17 @@ pub fn drive(threads: usize, secs: f64, op: impl Fn(usize, u64) + Sync) -> f64 {
     std::thread::scope(|s| {
         for t in 0..threads {
             let (stop, done, op) = (&stop, &done, &op);
-            s.spawn(move || {
-                let mut i = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    op(t, i);
-                    i += 1;
-                    done.fetch_add(1, Ordering::Relaxed);
-                }
-            });
+            let named = std::thread::Builder::new().name(format!("bench-{t}"));
+            named
+                .spawn_scoped(s, move || {
+                    let mut i = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        op(t, i);
+                        i += 1;
+                        done.fetch_add(1, Ordering::Relaxed);
+                    }
+                })
+                .expect("spawn a bench thread");
         }
         std::thread::sleep(Duration::from_secs_f64(secs));
         stop.store(true, Ordering::Relaxed);

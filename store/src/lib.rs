@@ -225,7 +225,7 @@ impl<D: BlockDevice + 'static> Store<D> {
         for e in self.sh.index.iter() {
             bytes += NODE_OVERHEAD
                 + std::mem::size_of::<ObjectKey>()
-                + e.key().name.len()
+                + e.key().heap_bytes()
                 + 16 // Arc counts
                 + e.value().load().heap_bytes();
         }

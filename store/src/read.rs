@@ -685,7 +685,7 @@ impl<D: BlockDevice + 'static> Store<D> {
             Some(k) => Bound::Excluded(k.clone()),
             None => Bound::Included(ObjectKey {
                 pool,
-                name: Box::new([]),
+                name: Default::default(),
                 shard: 0,
             }),
         };
