@@ -21,7 +21,10 @@ pub mod scrub;
 
 use std::collections::{HashMap, VecDeque};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicU64,
+    Ordering::{Acquire, Relaxed, Release},
+};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -53,6 +56,36 @@ const STAGING_BYTES_MAX: usize = 256 << 20;
 /// How long a message from a newer epoch waits for the node's map to catch up.
 pub const EPOCH_WAIT: Duration = Duration::from_secs(5);
 
+/// `Node::boot_epoch` before the monitor has answered the node's Boot.
+const BOOTING: u64 = u64::MAX;
+
+/// What a shard op does about the node's boot epoch.
+#[derive(Debug, PartialEq, Eq)]
+enum BootGate {
+    /// The local map has reached the boot epoch: the usual map and interval checks decide.
+    Pass,
+    /// The map lags the boot epoch: wait for it (the monitor this node subscribed to may be a
+    /// follower that applies the log late).
+    Wait,
+    /// Not registered yet.
+    Refuse,
+}
+
+/// Shard ops wait until the node's map has reached the epoch its Boot was committed at. A
+/// restarted node has lost its in-memory intervals (which primary superseded which); with a
+/// map from before its Boot, from a lagging monitor, a PG's old primary could still pass the
+/// map check and write what the new primary never hears of. From the boot epoch on the map
+/// names the PG's current primary, and the map check refuses the old one.
+fn boot_gate(boot_epoch: u64, map_epoch: u64) -> BootGate {
+    if boot_epoch == BOOTING {
+        BootGate::Refuse
+    } else if map_epoch >= boot_epoch {
+        BootGate::Pass
+    } else {
+        BootGate::Wait
+    }
+}
+
 #[derive(Default)]
 pub struct Counters {
     pub read_ops: AtomicU64,
@@ -65,6 +98,9 @@ pub struct Counters {
     pub resolves_absent_local: AtomicU64,
     /// Shard and recovery ops refused because a newer primary of the PG had been seen.
     pub stale_primary_refused: AtomicU64,
+    /// Shard ops refused because the node had not registered yet, or its map had not reached
+    /// its boot epoch within `EPOCH_WAIT`.
+    pub boot_gate_refused: AtomicU64,
 }
 
 /// A client op waiting on its PG: the message and its tracking.
@@ -93,6 +129,9 @@ pub struct Node {
     /// primary of an older epoch is refused from then on, even before this node has the map
     /// that replaced it (see `check_shard_sender`).
     intervals: Mutex<HashMap<(u64, u32), (u64, Identity)>>,
+    /// The map epoch this node's Boot was committed at; [`BOOTING`] until the monitor has
+    /// answered. Shard ops wait for the local map to reach it (see [`boot_gate`]).
+    boot_epoch: AtomicU64,
     run_q: Arc<WaitQueue<(u64, u32)>>,
     shard_q: Arc<WaitQueue<(Incoming, Arc<TrackedOp>)>>,
     staging: Mutex<HashMap<(Identity, u64), Staged>>,
@@ -380,6 +419,7 @@ impl Node {
             return Some((msg, op));
         };
         if epoch > self.epoch()
+            || boot_gate(self.boot_epoch.load(Acquire), self.epoch()) != BootGate::Pass
             || w.kind != local::WriteKind::Full
             || w.data.len() > local::ASYNC_APPLY_BYTES_MAX
             || self
@@ -457,6 +497,7 @@ impl Node {
     /// new primary never heard of. Only nodes acting as a PG's primary send these ops, so the
     /// sender of the newest epoch seen is the PG's current primary as far as this node knows.
     fn check_shard_sender(&self, msg: &Incoming, epoch: u64, pool: u64, pg: u32) -> Result<()> {
+        self.await_boot_epoch()?;
         if epoch > self.epoch() {
             self.monc.wait_epoch(epoch, EPOCH_WAIT);
         }
@@ -479,6 +520,38 @@ impl Node {
         }
         // Only a sender that passed the map check is recorded as the PG's newest primary.
         self.check_interval(msg.peer(), epoch, pool, pg)
+    }
+
+    /// Hold a shard op until this node's map has reached the epoch its Boot was committed at
+    /// (bounded by [`EPOCH_WAIT`]); refuse it before the Boot is answered.
+    fn await_boot_epoch(&self) -> Result<()> {
+        let booted = self.boot_epoch.load(Acquire);
+        match boot_gate(booted, self.epoch()) {
+            BootGate::Pass => return Ok(()),
+            BootGate::Wait => {
+                self.monc.wait_epoch(booted, EPOCH_WAIT);
+                if boot_gate(booted, self.epoch()) == BootGate::Pass {
+                    return Ok(());
+                }
+            }
+            BootGate::Refuse => {}
+        }
+        self.counters.boot_gate_refused.fetch_add(1, Relaxed);
+        Err(Error::remote(
+            Status::StaleEpoch,
+            if booted == BOOTING {
+                format!(
+                    "node {} is starting: not registered with the monitor yet",
+                    self.id
+                )
+            } else {
+                format!(
+                    "node {} booted at map epoch {booted} and its map is still at {}",
+                    self.id,
+                    self.epoch()
+                )
+            },
+        ))
     }
 
     /// Record `(epoch, sender)` as the PG's newest primary, or refuse a sender that a newer
@@ -831,6 +904,7 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
         peers: Mutex::new(HashMap::new()),
         pgs: Mutex::new(HashMap::new()),
         intervals: Mutex::new(HashMap::new()),
+        boot_epoch: AtomicU64::new(BOOTING),
         run_q: Arc::new(WaitQueue::new()),
         shard_q: Arc::new(WaitQueue::new()),
         staging: Mutex::new(HashMap::new()),
@@ -883,6 +957,7 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
             r.message
         )));
     }
+    node.boot_epoch.store(r.epoch, Release);
     monc.start_poller();
     let n = node.clone();
     std::thread::Builder::new()
@@ -927,5 +1002,23 @@ pub fn run(cfg: NodeConfig) -> Result<()> {
     let _node = start(cfg)?;
     loop {
         std::thread::park();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shard_ops_wait_for_the_boot_epoch() {
+        // Not registered: refused, whatever map the node holds.
+        assert_eq!(boot_gate(BOOTING, 0), BootGate::Refuse);
+        assert_eq!(boot_gate(BOOTING, u64::MAX - 1), BootGate::Refuse);
+        // Booted at 40 with a map from a monitor that lags: wait for the map.
+        assert_eq!(boot_gate(40, 0), BootGate::Wait);
+        assert_eq!(boot_gate(40, 39), BootGate::Wait);
+        // The map has caught up: the map and interval checks decide.
+        assert_eq!(boot_gate(40, 40), BootGate::Pass);
+        assert_eq!(boot_gate(40, 41), BootGate::Pass);
     }
 }
