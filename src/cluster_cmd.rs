@@ -100,10 +100,24 @@ impl LocalCluster {
         self.dir.join("client.toml")
     }
 
-    /// Write configs for a new cluster (nothing is started).
+    /// Write configs for a new cluster (nothing is started). Warns when the file system holding
+    /// `dir` has less free space than the device files can grow to.
     pub fn create(&self, o: &LocalOptions) -> Result<()> {
         std::fs::create_dir_all(&self.dir)
             .map_err(|e| Error::io(format!("{}", self.dir.display()), e))?;
+        let devices = u64::from(o.nodes) * o.device_bytes;
+        if let Some(free) = free_bytes(&self.dir).filter(|&f| f < devices) {
+            // The device files are sparse, so this is not an error yet; but a node whose file
+            // cannot grow fails its store's writes (ENOSPC) and stops accepting writes.
+            eprintln!(
+                "warning: {} has {} MiB free, less than the {} MiB the {} device files can grow \
+                 to; a node whose device file cannot grow stops accepting writes",
+                self.dir.display(),
+                free >> 20,
+                devices >> 20,
+                o.nodes
+            );
+        }
         let key = self.dir.join("cluster.key");
         Secret::generate().save(&key)?;
         let fsid = random_uuid();
@@ -826,4 +840,31 @@ pub fn run_ls(a: LsArgs) -> CliResult {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Bytes available to an unprivileged writer on the file system holding `path`.
+fn free_bytes(path: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c` is a NUL-terminated path and `st` is writable memory for one statvfs, which
+    // the call fills when it returns 0.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so it initialised `st`.
+    let st = unsafe { st.assume_init() };
+    Some(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn free_bytes_reads_the_file_system() {
+        let dir = tempfile::tempdir().unwrap();
+        let free = super::free_bytes(dir.path()).expect("statvfs of a temp dir");
+        assert!(free > 0);
+        assert_eq!(super::free_bytes(&dir.path().join("missing/dir")), None);
+    }
 }
