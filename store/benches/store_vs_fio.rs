@@ -249,26 +249,22 @@ fn large_writes(path: &Path, size: u64, secs: f64, pairs: usize) {
     }
     println!(
         "  median: store {:>8.1} MB/s   fio {:>8.1} MB/s   ratio {} (goal ≥ 0.9x)",
-        median(&mut ours_all),
-        median(&mut fio_all),
+        median(&ours_all),
+        median(&fio_all),
         if ratios.is_empty() {
             "-".to_string()
         } else {
-            format!("{:.2}x", median(&mut ratios))
+            format!("{:.2}x", median(&ratios))
         }
     );
 }
 
-fn median(v: &mut [f64]) -> f64 {
+/// The project's median (`driver::workload::median`), 0 for an empty list (fio unavailable).
+fn median(v: &[f64]) -> f64 {
     if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
+        0.0
     } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
+        driver::workload::median(v.to_vec())
     }
 }
 
