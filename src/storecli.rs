@@ -72,9 +72,12 @@ pub enum StoreToolCmd {
         name: String,
         file: PathBuf,
     },
-    /// Replay (past damaged log batches, which it lists), then verify every chunk; exits 1 if
-    /// anything is corrupt or damaged
+    /// Replay (past damaged checkpoint and log batches, which it lists), then verify every
+    /// chunk; exits 1 if anything is corrupt or damaged
     Fsck,
+    /// Write a checkpoint of the index now, so the next open replays no log (e.g. before
+    /// moving a device to another host); refuses a store that does not open clean
+    Checkpoint,
 }
 
 /// Parse a UUID for `--cluster`.
@@ -289,7 +292,7 @@ fn tool<D: BlockDevice + 'static>(s: &Store<D>, cmd: StoreToolCmd) -> CliResult 
         StoreToolCmd::Fsck => {
             let salvaged = s.salvage_report();
             for p in salvaged {
-                println!("damaged log: {p}");
+                println!("damaged: {p}");
             }
             let r = s.scrub();
             println!(
@@ -312,14 +315,20 @@ fn tool<D: BlockDevice + 'static>(s: &Store<D>, cmd: StoreToolCmd) -> CliResult 
             }
             if !salvaged.is_empty() {
                 println!(
-                    "{} damaged place(s) in the log: objects they changed read as their \
-                     previous state (or corrupt, for data items) until rewritten",
+                    "{} damaged place(s) in the checkpoint or log: objects a lost log batch \
+                     changed read as their previous state, objects of a lost checkpoint batch \
+                     as the log after it has them (or not at all), data items as corrupt; \
+                     a node rebuilds them from its peers",
                     salvaged.len()
                 );
             }
             if !r.corrupt.is_empty() || !r.errors.is_empty() || !salvaged.is_empty() {
                 return Ok(ExitCode::FAILURE);
             }
+        }
+        StoreToolCmd::Checkpoint => {
+            s.checkpoint()?;
+            println!("checkpoint written: {} objects", s.object_count());
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -1,19 +1,21 @@
 //! Stores opened past damage: a node opens its stores with `StoreConfig::salvage`, so one
-//! rotten batch in the un-checkpointed log does not keep the whole node down. What the open got
-//! past is in each store's `salvage_report()`: data items that now read as `Corrupted`, and
-//! skipped batches whose objects read as their previous version (a stale shard). Both are what
-//! the cluster scrub repairs (crc error, or "missing" at another version); this asks for it at
+//! rotten batch in the un-checkpointed log, or in the checkpoint, does not keep the whole node
+//! down. What the open got past is in each store's `salvage_report()`: data items that now
+//! read as `Corrupted`, skipped log batches whose objects read as their previous version (a
+//! stale shard), and lost checkpoint batches whose objects read as the log after the
+//! checkpoint has them or not at all (a missing shard). All are what the cluster scrub and
+//! backfill repair (crc error, "missing" at another version, missing); this asks for it at
 //! once instead of at the next scheduled pass.
 //!
 //! The scrub of a PG runs on its primary, so the node asks the primaries of the PGs the damage
-//! touches (every PG it is a member of when a report does not name its objects) to start a
+//! touches (every PG it is a member of when a report cannot name all its objects) to start a
 //! pass, itself included — after its own boot epoch, so they see it up.
 //!
 //! A skipped batch may also have held writes that this node's recovery mark of a PG ("my
 //! shards are complete through version V", recovery.rs) vouches for. Before the node boots,
-//! the marks of the PGs skipped batches touch (of every PG on that store when a report names
-//! no objects) are dropped, so recovery backfills those PGs by listing the members' shards
-//! rather than trusting the mark. That also covers what the scrub cannot see: a primary's
+//! the marks of the PGs skipped batches touch (of every PG on that store when a report cannot
+//! name all its objects) are dropped, so recovery backfills those PGs by listing the members'
+//! shards rather than trusting the mark. That also covers what the scrub cannot see: a primary's
 //! scrub walks the names it holds itself, so a shard the primary lost with the batch (an
 //! object created in it) is found by the backfill, not by the scrub.
 
@@ -51,7 +53,8 @@ fn pg_of_key(map: &ClusterMap, key: &ObjectKey) -> Option<(u64, u32)> {
 }
 
 /// The nodes whose scrub covers the damage: the primaries of the PGs its keys fall in, or of
-/// every PG `me` is a member of when some report does not name its objects.
+/// every PG `me` is a member of when some report cannot name all its objects (a record that
+/// no longer reads, or a lost stretch of checkpoint).
 pub(super) fn scrub_targets(
     map: &ClusterMap,
     monc: &MonClient,
@@ -59,7 +62,7 @@ pub(super) fn scrub_targets(
     reports: &[Salvaged],
 ) -> BTreeSet<u32> {
     let mut pgs: BTreeSet<(u64, u32)> = BTreeSet::new();
-    let all = reports.iter().any(|r| r.keys.is_empty());
+    let all = reports.iter().any(|r| !r.keys_complete);
     for r in reports {
         for k in &r.keys {
             match pg_of_key(map, k) {
@@ -108,7 +111,7 @@ impl Node {
             if skipped.is_empty() {
                 continue;
             }
-            let all = skipped.iter().any(|r| r.keys.is_empty());
+            let all = skipped.iter().any(|r| !r.keys_complete);
             let pgs: BTreeSet<(u64, u32)> = skipped
                 .iter()
                 .flat_map(|r| &r.keys)

@@ -179,16 +179,25 @@ pub fn decode_records(mut meta: &[u8], count: u32) -> Result<Vec<Record>, String
 
 /// Best effort for a batch replay had to skip: the keys named by its records, read from the
 /// start of the meta area while each record passes its own CRC (`meta`: the meta length and
-/// record count when the batch header was readable). Informational only; never applied.
-pub fn salvage_keys(mut bytes: &[u8], meta: Option<(usize, u32)>) -> Vec<ObjectKey> {
-    let mut count = u32::MAX;
-    if let Some((len, n)) = meta {
-        bytes = &bytes[..len.min(bytes.len())];
-        count = n;
-    }
+/// record count when the batch header was readable), and whether that is all of them (every
+/// record the header counts was read). Informational only; never applied.
+pub fn salvage_keys(mut bytes: &[u8], meta: Option<(usize, u32)>) -> (Vec<ObjectKey>, bool) {
+    let Some((len, count)) = meta else {
+        // Without a header the record count is unknown: whatever reads is only a lower bound.
+        return (keys_while_readable(bytes, u32::MAX).0, false);
+    };
+    bytes = &bytes[..len.min(bytes.len())];
+    let (keys, read) = keys_while_readable(bytes, count);
+    (keys, read == count)
+}
+
+/// The distinct keys of the first records that pass their CRC (at most `count` records), and
+/// how many records that was.
+fn keys_while_readable(mut bytes: &[u8], count: u32) -> (Vec<ObjectKey>, u32) {
     let mut keys: Vec<ObjectKey> = Vec::new();
     let mut seen = std::collections::HashSet::new();
-    for _ in 0..count {
+    let mut read = 0;
+    while read < count {
         let Ok(recs) = decode_records(bytes, 1) else {
             break;
         };
@@ -196,11 +205,12 @@ pub fn salvage_keys(mut bytes: &[u8], meta: Option<(usize, u32)>) -> Vec<ObjectK
             recs.into_iter().next().expect("one record");
         let (h, _) = RecordHeader::read_from_prefix(bytes).expect("decoded");
         bytes = &bytes[HDR + h.payload_len.get() as usize..];
+        read += 1;
         if seen.insert(key.clone()) {
             keys.push(key);
         }
     }
-    keys
+    (keys, read)
 }
 
 fn decode_one(h: &RecordHeader, p: &[u8]) -> Result<Record, String> {

@@ -112,6 +112,14 @@ pub enum SalvageKind {
     BatchHeader,
     /// A batch's records fail their CRC (or do not decode): the batch was skipped.
     BatchRecords,
+    /// A checkpoint batch's header or records fail their CRC: the object states it held were
+    /// not loaded (those objects read as their state in the log after the checkpoint, or do
+    /// not exist).
+    CheckpointBatch,
+    /// The checkpoint cannot be read past this point: nothing valid follows a rotten batch
+    /// (it is the last one, or the chain broke after it), or a segment header of its chain
+    /// fails its CRC. This batch and every later one were not loaded.
+    CheckpointChain,
 }
 
 impl fmt::Display for SalvageKind {
@@ -120,6 +128,8 @@ impl fmt::Display for SalvageKind {
             SalvageKind::DataCrc => "data-crc",
             SalvageKind::BatchHeader => "batch-header",
             SalvageKind::BatchRecords => "batch-records",
+            SalvageKind::CheckpointBatch => "checkpoint-batch",
+            SalvageKind::CheckpointChain => "checkpoint-chain",
         })
     }
 }
@@ -133,7 +143,8 @@ pub struct Salvaged {
     pub offset: u64,
     /// Bytes: the data item, or the skipped stretch of log.
     pub len: u64,
-    /// Log batch sequence of the damaged batch (the first one, for a skipped run).
+    /// Batch sequence of the damaged batch (the first one, for a skipped run) in its stream:
+    /// the log, or the checkpoint for the checkpoint kinds.
     pub batch_seq: u64,
     /// Batches skipped (0 for a data item: its batch was applied).
     pub batches_skipped: u64,
@@ -144,23 +155,49 @@ pub struct Salvaged {
     /// records name as far as they still read (each record has its own CRC). Such objects
     /// read as their state before the batch (or do not exist).
     pub keys: Vec<ObjectKey>,
+    /// Whether `keys` names every object affected. When false, any object of the store may
+    /// be: a node treats the whole store as suspect (salvage.rs).
+    pub keys_complete: bool,
+}
+
+impl SalvageKind {
+    fn is_checkpoint(self) -> bool {
+        matches!(
+            self,
+            SalvageKind::CheckpointBatch | SalvageKind::CheckpointChain
+        )
+    }
 }
 
 impl fmt::Display for Salvaged {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{}: {} at byte offset {} ({} bytes, log batch {}",
-            self.device, self.kind, self.offset, self.len, self.batch_seq
+            "{}: {} at byte offset {} ({} bytes, {} batch {}",
+            self.device,
+            self.kind,
+            self.offset,
+            self.len,
+            if self.kind.is_checkpoint() {
+                "checkpoint"
+            } else {
+                "log"
+            },
+            self.batch_seq
         )?;
         if self.batches_skipped > 0 {
             write!(f, ", {} batch(es) skipped", self.batches_skipped)?;
         }
-        write!(
-            f,
-            "): expected crc32c {:#010x}, found {:#010x}; ",
-            self.expected, self.found
-        )?;
+        if self.expected == self.found {
+            // (A chain that broke at a segment header: no batch CRC to show.)
+            f.write_str("): ")?;
+        } else {
+            write!(
+                f,
+                "): expected crc32c {:#010x}, found {:#010x}; ",
+                self.expected, self.found
+            )?;
+        }
         if self.keys.is_empty() {
             return f.write_str("objects affected unknown");
         }
@@ -170,6 +207,9 @@ impl fmt::Display for Salvaged {
         }
         if self.keys.len() > 8 {
             write!(f, " and {} more", self.keys.len() - 8)?;
+        }
+        if !self.keys_complete {
+            f.write_str(", and others that no longer read")?;
         }
         Ok(())
     }
@@ -203,7 +243,7 @@ impl fmt::Display for OpenReport {
         if !self.salvaged.is_empty() {
             write!(
                 f,
-                "; SALVAGED past {} damaged place(s) in the log",
+                "; SALVAGED past {} damaged place(s) in the checkpoint or log",
                 self.salvaged.len()
             )?;
         }
@@ -387,24 +427,17 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
             next_seg: NO_SEGMENT,
         };
         let mut r = StreamReader::new(layout, sb.ckpt_id.get(), SEGMENT_CHECKPOINT, start);
-        for i in 0..sb.ckpt_batches.get() {
-            let b = r.next(&dev, &mut q)?.ok_or_else(|| StoreError::Format {
-                device: name.clone(),
-                detail: format!(
-                    "checkpoint {:#x} is incomplete: batch {} of {} is missing or corrupt",
-                    sb.ckpt_id.get(),
-                    i + 1,
-                    sb.ckpt_batches.get()
-                ),
-            })?;
-            let recs = b.records;
-            for rec in recs {
-                if let Record::State { key, meta } = rec {
-                    crate::index_put(&index, &key, Arc::new(meta));
-                    report.checkpoint_objects += 1;
-                }
-            }
-        }
+        load_checkpoint(
+            &dev,
+            &mut q,
+            &mut r,
+            &sb,
+            &index,
+            config.salvage,
+            &mut report,
+        )?;
+        // A chain that broke leaves its unread segments unaccounted: they are free for the
+        // log, and this open's report is the record of what they held.
         report.checkpoint_bytes = r.bytes_read;
         ckpt_segments = r.visited.iter().map(|(s, _)| *s).collect();
         // The chain's reserved-but-unopened next segment is not part of it.
@@ -575,6 +608,112 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
     Ok((store, report))
 }
 
+/// Load the checkpoint's object states into the index. A batch that does not read (the
+/// superblock says how many there are, so every one is known to have been written): refuse,
+/// or with `salvage` skip it, or stop at a chain that cannot be followed, and note it in the
+/// report. Objects whose states were in a lost batch then read as the log after the
+/// checkpoint has them, or do not exist: never as bytes they did not have.
+fn load_checkpoint<D: BlockDevice>(
+    dev: &D,
+    q: &mut D::Queue,
+    r: &mut StreamReader,
+    sb: &Superblock,
+    index: &crate::Index,
+    salvage: bool,
+    report: &mut OpenReport,
+) -> Result<()> {
+    let name = dev.name();
+    let layout = Layout {
+        block: sb.block_size.get() as u64,
+        segment_bytes: sb.segment_bytes.get() as u64,
+        segments: sb.segment_count.get(),
+    };
+    let batches = sb.ckpt_batches.get() as u64;
+    let load = |recs: Vec<Record>, report: &mut OpenReport| {
+        for rec in recs {
+            if let Record::State { key, meta } = rec {
+                crate::index_put(index, &key, Arc::new(meta));
+                report.checkpoint_objects += 1;
+            }
+        }
+    };
+    // Checkpoint batches are numbered from 1.
+    while r.pos.batch_seq <= batches {
+        if let Some(b) = r.next(dev, q)? {
+            load(b.records, report);
+            continue;
+        }
+        let at = r.pos;
+        if !salvage {
+            return Err(StoreError::Format {
+                device: name.clone(),
+                detail: format!(
+                    "checkpoint {:#x} is unreadable at batch {} of {batches} (segment {},                      byte {} in it): a header, its records or the segment header fail their                      CRC. Open with salvage (a node does) to load the rest and rebuild the                      lost objects from peers, or rebuild this device from its peers",
+                    sb.ckpt_id.get(),
+                    at.batch_seq,
+                    at.seg,
+                    at.off
+                ),
+            });
+        }
+        let chain_lost = |report: &mut OpenReport| {
+            report.salvaged.push(Salvaged {
+                device: name.clone(),
+                kind: SalvageKind::CheckpointChain,
+                offset: layout.segment_base(at.seg) + at.off,
+                len: 0,
+                batch_seq: at.batch_seq,
+                batches_skipped: batches + 1 - at.batch_seq,
+                expected: 0,
+                found: 0,
+                keys: Vec::new(),
+                keys_complete: false,
+            });
+        };
+        match r.salvage(dev, q) {
+            Ok(Salvage::Data(b, _)) => load(b.records, report), // (no data items)
+            Ok(Salvage::Skipped(s)) if s.first_seq <= batches => {
+                report.salvaged.push(Salvaged {
+                    device: name.clone(),
+                    kind: SalvageKind::CheckpointBatch,
+                    offset: s.offset,
+                    len: s.len,
+                    batch_seq: s.first_seq,
+                    batches_skipped: s.resume_seq.min(batches + 1) - s.first_seq,
+                    expected: s.expected,
+                    found: s.found,
+                    keys: s.keys,
+                    keys_complete: s.keys_complete,
+                });
+            }
+            Ok(Salvage::Skipped(_)) => unreachable!("the loop stops after the last batch"),
+            // Nothing valid follows: the rotten batch is the last one, or the chain broke
+            // after it (the batches after it are lost too; which, the bytes cannot tell).
+            Ok(Salvage::Unresumable(s)) => {
+                report.salvaged.push(Salvaged {
+                    device: name.clone(),
+                    kind: SalvageKind::CheckpointChain,
+                    offset: s.offset,
+                    len: s.len,
+                    batch_seq: s.first_seq,
+                    batches_skipped: batches + 1 - s.first_seq,
+                    expected: s.expected,
+                    found: s.found,
+                    keys: s.keys,
+                    keys_complete: false,
+                });
+                break;
+            }
+            Err(StoreError::Format { .. }) => {
+                chain_lost(report);
+                break;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// Replay the log from the reader's start into the index. At an unreadable batch that a later
 /// batch proves acknowledged: refuse, or with `salvage` get past it and note it in the report.
 /// Returns the highest op sequence replayed and how many batches were skipped.
@@ -625,11 +764,13 @@ fn replay_log<D: BlockDevice>(
                         expected: it.item.crc.get(),
                         found: it.found,
                         keys: vec![it.key],
+                        keys_complete: true,
                     });
                 }
                 replay_records(index, b.records, &mut max_seq);
                 report.replayed_batches += 1;
             }
+            Salvage::Unresumable(_) => return Err(r.chain_broken(dev, r.pos.next_seg)),
             Salvage::Skipped(s) => {
                 skipped_batches += s.resume_seq - s.first_seq;
                 report.salvaged.push(Salvaged {
@@ -645,6 +786,7 @@ fn replay_log<D: BlockDevice>(
                     expected: s.expected,
                     found: s.found,
                     keys: s.keys,
+                    keys_complete: s.keys_complete,
                 });
             }
         }

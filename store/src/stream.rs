@@ -401,6 +401,9 @@ pub struct Skip {
     pub found: u32,
     /// Keys named by the records that still pass their own record CRC (best effort).
     pub keys: Vec<crate::key::ObjectKey>,
+    /// Whether `keys` is every key the skipped batches named (false when a record or the
+    /// header did not read, or when more than one batch was skipped).
+    pub keys_complete: bool,
 }
 
 /// What [`StreamReader::salvage`] did about an acknowledged batch replay could not read.
@@ -410,6 +413,12 @@ pub enum Salvage {
     Data(BatchRead, Vec<BadItem>),
     /// The batch could not be parsed and was skipped; the reader continues after it.
     Skipped(Skip),
+    /// The batch could not be parsed and no valid batch of the stream follows it (or the
+    /// proof is from an older generation, or the chain's next segment does not continue this
+    /// stream): the reader stays where it was. For the log that is a chain it cannot follow
+    /// ([`StreamReader::chain_broken`]); for a checkpoint, whose batch count is known, it may
+    /// just be its last batch.
+    Unresumable(Skip),
 }
 
 impl StreamReader {
@@ -432,8 +441,9 @@ impl StreamReader {
     /// get past it. If its header and records check and only data items fail, return it to be
     /// applied. Otherwise skip it: resume at the first block-aligned position after it (in
     /// this segment, then the next one of the chain) holding a valid header of this stream
-    /// with a higher sequence and no older generation. `Err` when the chain itself cannot be
-    /// followed (an unreadable segment header).
+    /// with a higher sequence and no older generation; [`Salvage::Unresumable`] when there is
+    /// none (the next segment's header does not read or does not continue the stream). `Err`
+    /// when the reader is not inside a segment whose header it read.
     pub fn salvage<D: BlockDevice>(&mut self, dev: &D, q: &mut D::Queue) -> Result<Salvage> {
         let layout = self.layout;
         let (pos, last_gen, stream_id) = (self.pos, self.last_gen, self.stream_id);
@@ -484,11 +494,19 @@ impl StreamReader {
         let records = image
             .get(pos.off as usize + 64..end as usize)
             .unwrap_or_default();
-        let keys = crate::meta::salvage_keys(records, meta_len);
+        let (keys, complete) = crate::meta::salvage_keys(records, meta_len);
         let Some((next, len)) = resume else {
-            // Nothing to resume at: the proof is from an older generation, or the chain's next
-            // segment does not continue this stream.
-            return Err(self.chain_broken(dev, pos.seg));
+            return Ok(Salvage::Unresumable(Skip {
+                kind,
+                offset: at,
+                len: end - pos.off,
+                first_seq: pos.batch_seq,
+                resume_seq: pos.batch_seq + 1,
+                expected,
+                found,
+                keys,
+                keys_complete: false,
+            }));
         };
         let len = len - pos.off;
         // The segment holds the skipped batches: it stays the log's until a checkpoint passes.
@@ -503,6 +521,8 @@ impl StreamReader {
             expected,
             found,
             keys,
+            // Batches after the first one of a skipped run were not parsed at all.
+            keys_complete: complete && next.batch_seq == pos.batch_seq + 1,
         }))
     }
 
@@ -530,7 +550,8 @@ impl StreamReader {
         let seg = pos.next_seg;
         let image = Self::load(&mut self.image, &layout, dev, q, seg)?;
         let Some(h) = parse_segment_header(image) else {
-            return Err(self.chain_broken(dev, seg));
+            // A rotten header, or a segment the stream reserved and never opened.
+            return Ok(None);
         };
         if h.stream_id.get() != self.stream_id
             || h.kind.get() != self.kind
@@ -555,7 +576,7 @@ impl StreamReader {
         Ok(Some((next, layout.segment_bytes + off - layout.block)))
     }
 
-    fn chain_broken<D: BlockDevice>(&self, dev: &D, seg: u32) -> StoreError {
+    pub fn chain_broken<D: BlockDevice>(&self, dev: &D, seg: u32) -> StoreError {
         StoreError::Format {
             device: dev.name().clone(),
             detail: format!(
