@@ -1202,9 +1202,17 @@ impl<D: BlockDevice> Committer<D> {
         sb.replay_batch_seq = c.start.batch_seq.into();
         sb.replay_segment_seq = c.start.seg_seq.into();
         sb.next_op_seq = c.next_op_seq.into();
-        sb.seal();
-        let copy = SUPERBLOCK_OFFSETS[(sb.sb_seq.get() % 2) as usize];
-        self.em.write_fua(&self.sh.dev, copy, sb.as_bytes())?;
+        // Both copies, one after the other: a torn write leaves the other copy (the previous
+        // state, still whole: the old checkpoint is freed only below), and once both are
+        // written, rot in either copy leaves the other saying the same.
+        for i in 0..2 {
+            if i == 1 {
+                sb.sb_seq = (sb.sb_seq.get() + 1).into();
+            }
+            sb.seal();
+            let copy = SUPERBLOCK_OFFSETS[(sb.sb_seq.get() % 2) as usize];
+            self.em.write_fua(&self.sh.dev, copy, sb.as_bytes())?;
+        }
         self.sb = sb;
         let mut segs = self.sh.segs.lock().unwrap();
         if c.batches == 0 {

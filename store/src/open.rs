@@ -344,9 +344,25 @@ fn read_superblock<D: BlockDevice>(dev: &D, q: &mut D::Queue) -> Result<Superblo
         .into_iter()
         .flatten()
         .max_by_key(|sb| sb.sb_seq.get());
-    let sb = best.ok_or_else(|| StoreError::Unlabelled {
-        device: dev.name().clone(),
-    })?;
+    let Some(sb) = best else {
+        // Magic but no valid copy: a label that rotted, not a blank device. `mkfs` would
+        // erase what it holds, so say so rather than suggest it.
+        let magic = SUPERBLOCK_OFFSETS
+            .iter()
+            .any(|&off| img.get(off as usize..off as usize + 8) == Some(&SUPERBLOCK_MAGIC[..]));
+        if magic {
+            return Err(StoreError::Format {
+                device: dev.name().clone(),
+                detail: "both superblock copies (bytes 0 and 4096) fail their CRC: the device \
+                         holds an nvstore store whose label rotted. Do not mkfs it (that \
+                         erases it); rebuild it from its peers"
+                    .into(),
+            });
+        }
+        return Err(StoreError::Unlabelled {
+            device: dev.name().clone(),
+        });
+    };
     if sb.format_version.get() != FORMAT_VERSION {
         return Err(StoreError::Format {
             device: dev.name().clone(),
@@ -403,17 +419,20 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
     // A new open generation, durable before any log write: stale batches from a crashed
     // earlier open can never be mistaken for new ones.
     sb.gen = (sb.gen.get() + 1).into();
-    sb.sb_seq = (sb.sb_seq.get() + 1).into();
-    sb.seal();
-    let mut img = vec![0u8; layout.block as usize];
-    img[..256].copy_from_slice(sb.as_bytes());
-    driver::io::write_slice(
-        &dev,
-        &mut q,
-        SUPERBLOCK_OFFSETS[(sb.sb_seq.get() % 2) as usize],
-        &img,
-        true,
-    )?;
+    for _ in 0..2 {
+        // Both copies, one after the other (see `write_superblock`).
+        sb.sb_seq = (sb.sb_seq.get() + 1).into();
+        sb.seal();
+        let mut img = vec![0u8; layout.block as usize];
+        img[..256].copy_from_slice(sb.as_bytes());
+        driver::io::write_slice(
+            &dev,
+            &mut q,
+            SUPERBLOCK_OFFSETS[(sb.sb_seq.get() % 2) as usize],
+            &img,
+            true,
+        )?;
+    }
 
     let index: crate::Index = SkipMap::new();
     let mut report = OpenReport::default();

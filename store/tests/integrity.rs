@@ -944,3 +944,40 @@ fn salvage_open_stops_at_a_broken_checkpoint_chain_and_reports_it() {
     assert_eq!(s.read_vec(&key("after"), 0, u64::MAX).unwrap(), b"x");
     check_contents(&s, &want, &|n| !kept.contains(n));
 }
+
+/// Every superblock update writes both copies, one after the other: a flipped bit in the
+/// newest copy leaves the other saying the same, so a plain open still finds the checkpoint
+/// and every object. Rot in both copies is refused with a message that says not to mkfs (the
+/// label rotted: the device is not blank); a blank device is still called unlabelled.
+#[test]
+fn a_rotten_superblock_copy_loses_nothing_and_two_are_not_called_blank() {
+    use nvstore_store::format::SUPERBLOCK_OFFSETS;
+    let (dev, s) = fresh(64, 50);
+    let old = fill(&s, 6, 50);
+    s.checkpoint().unwrap();
+    let new = fill(&s, 6, 51);
+    drop(s);
+    let sb = superblock(&dev);
+    let newest = SUPERBLOCK_OFFSETS[(sb.sb_seq.get() % 2) as usize];
+    dev.flip_bit(newest + 100, 1);
+    let (s, r) = Store::open(dev.clone(), Some(FSID), StoreConfig::default()).unwrap();
+    assert!(r.salvaged.is_empty());
+    assert_eq!((r.objects, r.checkpoint_objects), (12, 6), "{r:?}");
+    read_all(&s, &old);
+    read_all(&s, &new);
+    drop(s);
+
+    for off in SUPERBLOCK_OFFSETS {
+        dev.flip_bit(off + 100, 1);
+    }
+    let e = Store::open(dev.clone(), Some(FSID), StoreConfig::default())
+        .err()
+        .expect("no valid label");
+    assert!(matches!(e, StoreError::Format { .. }), "{e}");
+    assert!(e.to_string().contains("Do not mkfs"), "{e}");
+    let blank = sim(64, 52);
+    assert!(matches!(
+        Store::open(blank, Some(FSID), StoreConfig::default()),
+        Err(StoreError::Unlabelled { .. })
+    ));
+}
