@@ -170,6 +170,7 @@ impl LocalCluster {
                     read_coalescing: o.read_coalescing,
                     hot_cache_bytes: crate::node::hot::CACHE_BYTES_DEFAULT,
                     read_cache_bytes: o.read_cache_bytes,
+                    inject_boot_delay_ms: 0,
                 },
             )?;
         }

@@ -127,6 +127,15 @@ pub struct NodeConfig {
     /// 0: none).
     #[serde(default = "default_read_cache_bytes")]
     pub read_cache_bytes: u64,
+    /// Fault injection for tests: wait this long after the node starts serving before it
+    /// registers (Boot) with the monitor, holding open the window in which it must refuse
+    /// shard ops (`tests/recovery.rs`). 0, the default, in any real deployment.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub inject_boot_delay_ms: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// 5 s: far above a healthy op (milliseconds) yet clear of the stalls a busy shared test

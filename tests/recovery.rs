@@ -409,3 +409,126 @@ fn a_member_that_answered_a_newer_primary_refuses_the_old_one() {
     mp.shutdown();
     mq.shutdown();
 }
+
+/// The restart window (src/node/mod.rs `boot_gate`): a restarted node serves its messenger
+/// before the monitor has answered its Boot, and its map may be older than what the cluster
+/// has moved on to. A shard write that arrives then is refused (`StaleEpoch`, "is starting")
+/// and counted (`node.boot_gate_refused`); once the Boot is answered and the node's map has
+/// reached its boot epoch the node serves again. The window is held open by the fault-
+/// injection knob `inject_boot_delay_ms`, on a fixed listen port so the test can reach the
+/// node before it has registered its address.
+#[test]
+fn a_restarted_node_refuses_shard_ops_until_its_boot_is_answered() {
+    use messenger::{Identity, OutMessage};
+    use nvstore::config::{write_toml, NodeConfig};
+    use nvstore::node::local::{ShardMeta, ShardWrite, WriteKind, BASE_ANY};
+    use nvstore::wire::{self, Status};
+
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(4);
+    let c = &h.client;
+    let pool = c.create_pool("gate", 2, 1, 4096, 8, None).unwrap();
+    let objects: Vec<(String, Vec<u8>)> = (0..6)
+        .map(|i| (format!("g-{i}"), bytes(900 + i as u64, size_of(i))))
+        .collect();
+    for (n, d) in &objects {
+        c.put(pool, n.as_bytes(), d).unwrap();
+    }
+    let map = c.map();
+    let p = &map.pools[&pool];
+    let a = Acting::compute(&map, p, pg_of(p, b"gate-probe"));
+    let primary = a.primary.unwrap();
+    let member = a.members[1].unwrap();
+    assert_ne!(primary, member);
+
+    // Restart the member on a fixed port, with its Boot held back.
+    let name = format!("node.{member}");
+    let conf = h.lc.dir.join(&name).join("node.toml");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut cfg = NodeConfig::load(&conf).unwrap();
+    cfg.listen = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    cfg.inject_boot_delay_ms = 4000;
+    write_toml(&conf, &cfg).unwrap();
+    h.lc.stop_member(&name, true).unwrap();
+    h.lc.start_member(&name).unwrap();
+
+    // As the PG's primary (still so in every map), write the member's shard.
+    let m = h.raw_messenger(Identity::Node(primary));
+    let data = vec![5u8; 4096];
+    let shard_write = |epoch: u64| {
+        let w = ShardWrite {
+            pool,
+            pg: a.pg,
+            name: b"gate-probe",
+            shard: 1,
+            kind: WriteKind::Full,
+            base_version: BASE_ANY,
+            meta: ShardMeta {
+                version: (epoch << 32) | 1,
+                size: 4096,
+                mtime_unix_ns: 1,
+                deleted: false,
+            },
+            offset: 0,
+            xattrs: vec![],
+            data: &data,
+        };
+        let mut payload = w.encode_header(epoch);
+        payload.extend_from_slice(&data);
+        payload
+    };
+    let t = Instant::now();
+    let conn = loop {
+        match m.connect(cfg.listen, Identity::Node(member)) {
+            Ok(conn) => break conn,
+            Err(e) => {
+                assert!(t.elapsed() < WAIT, "the restarted node never listened: {e}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    };
+    let ask = |payload: Vec<u8>| -> (Status, String) {
+        let r = conn
+            .request(
+                OutMessage::new(wire::MSG_SHARD_WRITE, payload),
+                Duration::from_secs(30),
+            )
+            .unwrap();
+        match wire::parse_reply(&r.payload) {
+            Ok(_) => (Status::Ok, String::new()),
+            Err(nvstore::Error::Remote { status, message }) => (status, message),
+            Err(e) => panic!("{e}"),
+        }
+    };
+    let (s, msg) = ask(shard_write(c.map().epoch));
+    let booted_meanwhile = c.map().nodes[&member].addr == cfg.listen;
+    assert!(!booted_meanwhile, "the Boot was not held back");
+    assert_eq!(
+        s,
+        Status::StaleEpoch,
+        "a write before the Boot is answered: {msg}"
+    );
+    assert!(msg.contains("is starting"), "{msg}");
+
+    // Once registered (its new address in the map) the node takes the primary's writes.
+    wait_until("the member's Boot", || {
+        let _ = c.refresh_map();
+        let n = &c.map().nodes[&member];
+        n.up && n.addr == cfg.listen
+    });
+    let (s, msg) = ask(shard_write(c.map().epoch));
+    assert_eq!(s, Status::Ok, "a write after the Boot: {msg}");
+    let refused = c.perf_dump(member).unwrap()["node"]["boot_gate_refused"]
+        .as_u64()
+        .unwrap();
+    assert!(refused >= 1, "boot_gate_refused = {refused}");
+    let log = std::fs::read_to_string(h.lc.dir.join(format!("{name}.log"))).unwrap();
+    assert!(log.contains("holding the Boot"), "the knob took effect");
+    m.shutdown();
+    // The cluster serves as before.
+    read_all(c, pool, &objects);
+}

@@ -942,6 +942,13 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
             .spawn(move || n.recovery_shard_thread())
             .map_err(|e| Error::io("spawn", e))?;
     }
+    if cfg.inject_boot_delay_ms > 0 {
+        tracing::warn!(
+            "fault injection: holding the Boot for {} ms (inject_boot_delay_ms)",
+            cfg.inject_boot_delay_ms
+        );
+        std::thread::sleep(Duration::from_millis(cfg.inject_boot_delay_ms));
+    }
     let r = monc.command(&MonCommand::Boot(NodeInfo {
         id: cfg.id,
         addr,
