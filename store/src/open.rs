@@ -420,7 +420,7 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
     // earlier open can never be mistaken for new ones.
     sb.gen = (sb.gen.get() + 1).into();
     for _ in 0..2 {
-        // Both copies, one after the other (see `write_superblock`).
+        // Both copies, one after the other (docs/format.md "Device layout").
         sb.sb_seq = (sb.sb_seq.get() + 1).into();
         sb.seal();
         let mut img = vec![0u8; layout.block as usize];
@@ -667,7 +667,10 @@ fn load_checkpoint<D: BlockDevice>(
             return Err(StoreError::Format {
                 device: name.clone(),
                 detail: format!(
-                    "checkpoint {:#x} is unreadable at batch {} of {batches} (segment {},                      byte {} in it): a header, its records or the segment header fail their                      CRC. Open with salvage (a node does) to load the rest and rebuild the                      lost objects from peers, or rebuild this device from its peers",
+                    "checkpoint {:#x} is unreadable at batch {} of {batches} (segment {}, \
+                     byte {} in it): a header, its records or the segment header fail their \
+                     CRC. Open with salvage (a node does) to load the rest and rebuild the \
+                     lost objects from peers, or rebuild this device from its peers",
                     sb.ckpt_id.get(),
                     at.batch_seq,
                     at.seg,

@@ -834,6 +834,7 @@ fn salvage_open_skips_a_rotten_checkpoint_batch_and_reports_it() {
         msg.contains(&format!("is unreadable at batch 1 of {batches}")) && msg.contains("salvage"),
         "{msg}"
     );
+    assert!(!msg.contains("  "), "one line of prose: {msg:?}");
 
     let (s, r) = Store::open(dev.clone(), Some(FSID), salvage()).unwrap();
     let rep = s.salvage_report().to_vec();
