@@ -810,6 +810,24 @@ fn a_node_whose_checkpoint_rotted_while_down_opens_and_gets_backfilled() {
     ] {
         assert!(log.contains(&want), "{member}.log lacks {want:?}");
     }
+    // The operator hears of it: a gauge, and a health line until the node restarts clean.
+    let places = c.perf_dump(node).unwrap()["node"]["salvaged_places"].as_u64();
+    assert_eq!(places, Some(1));
+    let want = format!("node {node} opened its store past 1 damaged place(s)");
+    let t = Instant::now();
+    loop {
+        let st = c.status().unwrap();
+        if st.health_detail.iter().any(|d| d.contains(&want)) {
+            assert_eq!(st.health, "HEALTH_WARN", "{:?}", st.health_detail);
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "no health line {want:?}: {:?}",
+            st.health_detail
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     for (name, data) in &objects {
         assert!(c.get(pool, name.as_bytes()).unwrap() == *data, "{name}");
     }

@@ -91,6 +91,10 @@ pub struct NodeStats {
     /// Large replies of hot objects that waited behind other replies (`node/hot.rs`).
     #[serde(default)]
     pub paced_replies: u64,
+    /// Damaged places (rotten checkpoint or log batches, data items) the node's stores
+    /// opened past at its last start (`node/salvage.rs`).
+    #[serde(default)]
+    pub salvaged: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
@@ -405,6 +409,27 @@ impl Monitor {
         }
     }
 
+    /// "node X opened its store past N damaged place(s) …" for each up node whose stores
+    /// did at its last start: the device rotted, which an operator should hear of even
+    /// though the cluster repairs the shards. Clears when the node restarts clean.
+    fn salvage_details(&self, map: &ClusterMap) -> Vec<String> {
+        let seen = self.seen.lock().unwrap();
+        map.nodes
+            .values()
+            .filter(|n| n.up)
+            .filter_map(|n| {
+                let s = &seen.get(&n.id)?.stats;
+                (s.salvaged > 0).then(|| {
+                    format!(
+                        "node {} opened its store past {} damaged place(s) at its last start \
+                         (see its log); the shards affected are rebuilt by scrub and recovery",
+                        n.id, s.salvaged
+                    )
+                })
+            })
+            .collect()
+    }
+
     /// "N slow ops on node X, oldest Y s" for each up node that reported slow ops.
     fn slow_op_details(&self, map: &ClusterMap) -> Vec<String> {
         let seen = self.seen.lock().unwrap();
@@ -473,6 +498,7 @@ impl Monitor {
             ));
         }
         detail.extend(self.slow_op_details(&map));
+        detail.extend(self.salvage_details(&map));
         let health = if pg_states.contains_key("down") {
             "HEALTH_ERR"
         } else if detail.is_empty() {

@@ -749,6 +749,7 @@ impl Node {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64),
             recovery: self.recovery.stats(),
+            salvaged: self.salvaged_count() as u64,
         }
     }
 

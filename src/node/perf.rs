@@ -171,7 +171,7 @@ impl Node {
             driver::workload::peak_rss_kib(),
         );
         #[rustfmt::skip]
-        let rows: [(&'static str, Row); 28] = [
+        let rows: [(&'static str, Row); 29] = [
             ("client", ("read_ops", C, c.read_ops.load(Relaxed), "Client read ops run as primary")),
             ("client", ("write_ops", C, c.write_ops.load(Relaxed), "Client write ops run as primary")),
             ("client", ("read_bytes", C, c.read_bytes.load(Relaxed), "Bytes returned to clients")),
@@ -198,6 +198,7 @@ impl Node {
             ("node", ("op_threads", G, self.cfg.op_threads as u64, "Threads running client ops")),
             ("node", ("shard_threads", G, super::SHARD_THREADS as u64, "Threads running shard ops")),
             ("node", ("devices", G, self.local.stores.len() as u64, "Devices this node serves")),
+            ("node", ("salvaged_places", G, self.salvaged_count() as u64, "Damaged places its stores opened past at this start (see the log)")),
             ("process", ("rss_bytes", G, rss << 10, "Resident memory of the node process (VmRSS)")),
             ("process", ("peak_rss_bytes", G, peak << 10, "Peak resident memory of the node process since it started (VmHWM)")),
         ];

@@ -89,6 +89,15 @@ pub(super) fn scrub_targets(
 }
 
 impl Node {
+    /// How many damaged places the stores opened past (0 when all opened clean).
+    pub fn salvaged_count(&self) -> usize {
+        self.local
+            .stores
+            .iter()
+            .map(|s| s.salvage_report().len())
+            .sum()
+    }
+
     /// The salvage reports of every store (empty when all opened clean).
     pub fn salvage_reports(&self) -> Vec<Salvaged> {
         self.local
