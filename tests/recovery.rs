@@ -301,6 +301,48 @@ fn a_node_down_after_a_long_busy_spell_is_still_caught_up_by_delta() {
     }
 }
 
+/// Send a raw node message and wait for its reply: (status, message) of the reply.
+fn ask(conn: &messenger::Connection, t: u16, payload: Vec<u8>) -> (nvstore::wire::Status, String) {
+    use nvstore::wire::{self, Status};
+    let r = conn
+        .request(
+            messenger::OutMessage::new(t, payload),
+            Duration::from_secs(30),
+        )
+        .unwrap();
+    match wire::parse_reply(&r.payload) {
+        Ok(_) => (Status::Ok, String::new()),
+        Err(nvstore::Error::Remote { status, message }) => (status, message),
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// The payload of a raw `MSG_SHARD_WRITE` of a whole 4 KiB shard 1 of `name` at `epoch`, as
+/// a primary sends it.
+fn shard_write_payload(pool: u64, pg: u32, name: &[u8], epoch: u64, data: &[u8]) -> Vec<u8> {
+    use nvstore::node::local::{ShardMeta, ShardWrite, WriteKind, BASE_ANY};
+    let w = ShardWrite {
+        pool,
+        pg,
+        name,
+        shard: 1,
+        kind: WriteKind::Full,
+        base_version: BASE_ANY,
+        meta: ShardMeta {
+            version: (epoch << 32) | 1,
+            size: data.len() as u64,
+            mtime_unix_ns: 1,
+            deleted: false,
+        },
+        offset: 0,
+        xattrs: vec![],
+        data,
+    };
+    let mut payload = w.encode_header(epoch);
+    payload.extend_from_slice(data);
+    payload
+}
+
 /// The interval race: a new primary starts by asking each member for its PG log. A member
 /// that answers before it has the new map must refuse the old primary's writes from then on,
 /// or the old primary could complete a write the new one never heard of. Here node Q plays a
@@ -308,8 +350,7 @@ fn a_node_down_after_a_long_busy_spell_is_still_caught_up_by_delta() {
 /// then answers); the real primary P, still on the old map, is refused afterwards.
 #[test]
 fn a_member_that_answered_a_newer_primary_refuses_the_old_one() {
-    use messenger::{Identity, OutMessage};
-    use nvstore::node::local::{ShardMeta, ShardWrite, WriteKind, BASE_ANY};
+    use messenger::Identity;
     use nvstore::wire::{self, Enc, Status};
 
     let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -331,39 +372,8 @@ fn a_member_that_answered_a_newer_primary_refuses_the_old_one() {
             .unwrap();
         (m, conn)
     };
-    let ask = |conn: &messenger::Connection, t: u16, payload: Vec<u8>| -> (Status, String) {
-        let r = conn
-            .request(OutMessage::new(t, payload), Duration::from_secs(30))
-            .unwrap();
-        match wire::parse_reply(&r.payload) {
-            Ok(_) => (Status::Ok, String::new()),
-            Err(nvstore::Error::Remote { status, message }) => (status, message),
-            Err(e) => panic!("{e}"),
-        }
-    };
     let data = vec![7u8; 4096];
-    let shard_write = || {
-        let w = ShardWrite {
-            pool,
-            pg: a.pg,
-            name: b"interval-probe",
-            shard: 1,
-            kind: WriteKind::Full,
-            base_version: BASE_ANY,
-            meta: ShardMeta {
-                version: (map.epoch << 32) | 1,
-                size: 4096,
-                mtime_unix_ns: 1,
-                deleted: false,
-            },
-            offset: 0,
-            xattrs: vec![],
-            data: &data,
-        };
-        let mut payload = w.encode_header(map.epoch);
-        payload.extend_from_slice(&data);
-        payload
-    };
+    let shard_write = || shard_write_payload(pool, a.pg, b"interval-probe", map.epoch, &data);
     let refused = |c: &Client| {
         c.perf_dump(member).unwrap()["node"]["stale_primary_refused"]
             .as_u64()
@@ -419,9 +429,8 @@ fn a_member_that_answered_a_newer_primary_refuses_the_old_one() {
 /// node before it has registered its address.
 #[test]
 fn a_restarted_node_refuses_shard_ops_until_its_boot_is_answered() {
-    use messenger::{Identity, OutMessage};
+    use messenger::Identity;
     use nvstore::config::{write_toml, NodeConfig};
-    use nvstore::node::local::{ShardMeta, ShardWrite, WriteKind, BASE_ANY};
     use nvstore::wire::{self, Status};
 
     let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -459,28 +468,7 @@ fn a_restarted_node_refuses_shard_ops_until_its_boot_is_answered() {
     // As the PG's primary (still so in every map), write the member's shard.
     let m = h.raw_messenger(Identity::Node(primary));
     let data = vec![5u8; 4096];
-    let shard_write = |epoch: u64| {
-        let w = ShardWrite {
-            pool,
-            pg: a.pg,
-            name: b"gate-probe",
-            shard: 1,
-            kind: WriteKind::Full,
-            base_version: BASE_ANY,
-            meta: ShardMeta {
-                version: (epoch << 32) | 1,
-                size: 4096,
-                mtime_unix_ns: 1,
-                deleted: false,
-            },
-            offset: 0,
-            xattrs: vec![],
-            data: &data,
-        };
-        let mut payload = w.encode_header(epoch);
-        payload.extend_from_slice(&data);
-        payload
-    };
+    let shard_write = |epoch: u64| shard_write_payload(pool, a.pg, b"gate-probe", epoch, &data);
     let t = Instant::now();
     let conn = loop {
         match m.connect(cfg.listen, Identity::Node(member)) {
@@ -491,20 +479,7 @@ fn a_restarted_node_refuses_shard_ops_until_its_boot_is_answered() {
             }
         }
     };
-    let ask = |payload: Vec<u8>| -> (Status, String) {
-        let r = conn
-            .request(
-                OutMessage::new(wire::MSG_SHARD_WRITE, payload),
-                Duration::from_secs(30),
-            )
-            .unwrap();
-        match wire::parse_reply(&r.payload) {
-            Ok(_) => (Status::Ok, String::new()),
-            Err(nvstore::Error::Remote { status, message }) => (status, message),
-            Err(e) => panic!("{e}"),
-        }
-    };
-    let (s, msg) = ask(shard_write(c.map().epoch));
+    let (s, msg) = ask(&conn, wire::MSG_SHARD_WRITE, shard_write(c.map().epoch));
     let booted_meanwhile = c.map().nodes[&member].addr == cfg.listen;
     assert!(!booted_meanwhile, "the Boot was not held back");
     assert_eq!(
@@ -520,7 +495,7 @@ fn a_restarted_node_refuses_shard_ops_until_its_boot_is_answered() {
         let n = &c.map().nodes[&member];
         n.up && n.addr == cfg.listen
     });
-    let (s, msg) = ask(shard_write(c.map().epoch));
+    let (s, msg) = ask(&conn, wire::MSG_SHARD_WRITE, shard_write(c.map().epoch));
     assert_eq!(s, Status::Ok, "a write after the Boot: {msg}");
     let refused = c.perf_dump(member).unwrap()["node"]["boot_gate_refused"]
         .as_u64()

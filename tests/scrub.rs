@@ -387,10 +387,15 @@ fn resume_after_crash(h: &Harness, pool: u64) {
 
 /// Kill a node and start it again; wait until the map shows it up at its new port.
 fn restart(h: &Harness, node: u32) {
+    h.lc.stop_member(&format!("node.{node}"), true).unwrap();
+    start_again(h, node);
+}
+
+/// Start a stopped node; wait until the map shows it up at its new port.
+fn start_again(h: &Harness, node: u32) {
     let c = &h.client;
     let member = format!("node.{node}");
     let old = c.map().nodes[&node].addr;
-    h.lc.stop_member(&member, true).unwrap();
     h.lc.start_member(&member).unwrap();
     let t = Instant::now();
     while c.map().nodes[&node].addr == old || !c.map().nodes[&node].up {
@@ -590,19 +595,7 @@ fn a_node_whose_log_rotted_while_down_opens_and_gets_repaired() {
         "{text}"
     );
 
-    let old = c.map().nodes[&node].addr;
-    h.lc.start_member(&member).unwrap();
-    let t = Instant::now();
-    while c.map().nodes[&node].addr == old || !c.map().nodes[&node].up {
-        let log = std::fs::read_to_string(h.lc.dir.join(format!("{member}.log")));
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "{member} did not come back:\n{}",
-            log.unwrap_or_default()
-        );
-        let _ = c.refresh_map();
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    start_again(&h, node);
     // No scrub is requested here and the scheduled interval is a week: only the node's own
     // request after its salvage open gets the corrupt chunk rebuilt. The shard the skipped
     // batch held is rebuilt by that scrub ("missing") or by recovery, which the node's return
@@ -662,21 +655,10 @@ fn a_node_whose_log_rotted_while_down_opens_and_gets_repaired() {
 
 /// The newest valid superblock of a device file.
 fn superblock_of(device: &str) -> store::format::Superblock {
-    use store::format::{Superblock, SUPERBLOCK_OFFSETS};
-    use zerocopy::FromBytes;
-    let f = std::fs::File::open(device).unwrap();
-    SUPERBLOCK_OFFSETS
-        .iter()
-        .filter_map(|&off| {
-            let mut b = vec![0u8; 512];
-            f.read_exact_at(&mut b, off).ok()?;
-            Superblock::read_from_prefix(&b)
-                .ok()
-                .map(|(sb, _)| sb)
-                .filter(|sb| sb.is_valid())
-        })
-        .max_by_key(|sb| sb.sb_seq.get())
-        .expect("a valid superblock")
+    let dev =
+        driver::FileDevice::open(std::path::Path::new(device), driver::FileOptions::default())
+            .unwrap();
+    store::read_label(&dev).expect("a valid superblock")
 }
 
 /// A node is stopped cleanly and its store checkpointed offline (`store-tool checkpoint`, so
@@ -765,19 +747,7 @@ fn a_node_whose_checkpoint_rotted_while_down_opens_and_gets_backfilled() {
     // Everything the store held was in that batch: what comes back below was rebuilt.
     assert!(text.contains("checked 0 objects"), "{text}");
 
-    let old = c.map().nodes[&node].addr;
-    h.lc.start_member(&member).unwrap();
-    let t = Instant::now();
-    while c.map().nodes[&node].addr == old || !c.map().nodes[&node].up {
-        let log = std::fs::read_to_string(h.lc.dir.join(format!("{member}.log")));
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "{member} did not come back:\n{}",
-            log.unwrap_or_default()
-        );
-        let _ = c.refresh_map();
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    start_again(&h, node);
     let back = |&(i, s): &(usize, usize)| {
         let req = locate_request(pool, objects[i].0.as_bytes(), s as u8);
         c.node_call(node, wire::MSG_NODE_LOCATE, &req).is_ok()

@@ -409,45 +409,46 @@ impl Monitor {
         }
     }
 
-    /// "node X opened its store past N damaged place(s) …" for each up node whose stores
-    /// did at its last start: the device rotted, which an operator should hear of even
-    /// though the cluster repairs the shards. Clears when the node restarts clean.
-    fn salvage_details(&self, map: &ClusterMap) -> Vec<String> {
+    /// One health line per up node whose last report `line` has something to say about.
+    fn node_details(
+        &self,
+        map: &ClusterMap,
+        line: impl Fn(u32, &NodeStats) -> Option<String>,
+    ) -> Vec<String> {
         let seen = self.seen.lock().unwrap();
         map.nodes
             .values()
             .filter(|n| n.up)
-            .filter_map(|n| {
-                let s = &seen.get(&n.id)?.stats;
-                (s.salvaged > 0).then(|| {
-                    format!(
-                        "node {} opened its store past {} damaged place(s) at its last start \
-                         (see its log); the shards affected are rebuilt by scrub and recovery",
-                        n.id, s.salvaged
-                    )
-                })
-            })
+            .filter_map(|n| line(n.id, &seen.get(&n.id)?.stats))
             .collect()
     }
 
     /// "N slow ops on node X, oldest Y s" for each up node that reported slow ops.
     fn slow_op_details(&self, map: &ClusterMap) -> Vec<String> {
-        let seen = self.seen.lock().unwrap();
-        map.nodes
-            .values()
-            .filter(|n| n.up)
-            .filter_map(|n| {
-                let s = &seen.get(&n.id)?.stats;
-                (s.slow_ops > 0).then(|| {
-                    format!(
-                        "{} slow ops on node {}, oldest {:.1} s",
-                        s.slow_ops,
-                        n.id,
-                        s.slow_longest_ms as f64 / 1000.0
-                    )
-                })
+        self.node_details(map, |id, s| {
+            (s.slow_ops > 0).then(|| {
+                format!(
+                    "{} slow ops on node {id}, oldest {:.1} s",
+                    s.slow_ops,
+                    s.slow_longest_ms as f64 / 1000.0
+                )
             })
-            .collect()
+        })
+    }
+
+    /// "node X opened its store past N damaged place(s) …" for each up node whose stores
+    /// did at its last start: the device rotted, which an operator should hear of even
+    /// though the cluster repairs the shards. Clears when the node restarts clean.
+    fn salvage_details(&self, map: &ClusterMap) -> Vec<String> {
+        self.node_details(map, |id, s| {
+            (s.salvaged > 0).then(|| {
+                format!(
+                    "node {id} opened its store past {} damaged place(s) at its last start \
+                     (see its log); the shards affected are rebuilt by scrub and recovery",
+                    s.salvaged
+                )
+            })
+        })
     }
 
     pub fn status(&self) -> StatusReport {

@@ -698,22 +698,9 @@ fn fresh_small_segments(seed: u64) -> (driver::SimDevice, Store<driver::SimDevic
     (dev, s)
 }
 
-/// The newest valid superblock of the durable image.
+/// The newest valid superblock (read after the store was dropped: the live image is durable).
 fn superblock(dev: &driver::SimDevice) -> nvstore_store::format::Superblock {
-    use nvstore_store::format::{Superblock, SUPERBLOCK_OFFSETS};
-    use zerocopy::FromBytes;
-    SUPERBLOCK_OFFSETS
-        .iter()
-        .filter_map(|&off| {
-            let mut b = vec![0u8; 512];
-            dev.read_durable(off, &mut b);
-            Superblock::read_from_prefix(&b)
-                .ok()
-                .map(|(sb, _)| sb)
-                .filter(|sb| sb.is_valid())
-        })
-        .max_by_key(|sb| sb.sb_seq.get())
-        .expect("a valid superblock")
+    nvstore_store::read_label(dev).expect("a valid superblock")
 }
 
 fn segment_base(sb: &nvstore_store::format::Superblock, seg: u32) -> u64 {
