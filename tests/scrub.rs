@@ -385,6 +385,21 @@ fn resume_after_crash(h: &Harness, pool: u64) {
     );
 }
 
+/// Four nodes with 128 MiB devices, for the salvage tests (K = 2, M = 1 pools).
+fn small_cluster(prefix: &str) -> Harness {
+    common::cluster(
+        prefix,
+        &LocalOptions {
+            nodes: 4,
+            monitors: 1,
+            device_bytes: 128 << 20,
+            down_grace_ms: 1500,
+            heartbeat_ms: 300,
+            ..LocalOptions::default()
+        },
+    )
+}
+
 /// Kill a node and start it again; wait until the map shows it up at its new port.
 fn restart(h: &Harness, node: u32) {
     h.lc.stop_member(&format!("node.{node}"), true).unwrap();
@@ -524,17 +539,7 @@ fn a_node_whose_log_rotted_while_down_opens_and_gets_repaired() {
     const K: u32 = 2;
     const M: u32 = 1;
     let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let h = common::cluster(
-        "nvstore-salvage-",
-        &LocalOptions {
-            nodes: 4,
-            monitors: 1,
-            device_bytes: 128 << 20,
-            down_grace_ms: 1500,
-            heartbeat_ms: 300,
-            ..LocalOptions::default()
-        },
-    );
+    let h = small_cluster("nvstore-salvage-");
     let c = &h.client;
     let pool = c.create_pool("v", K, M, UNIT, 8, None).unwrap();
     let objects: Vec<(String, Vec<u8>)> = (0..12)
@@ -674,17 +679,7 @@ fn a_node_whose_checkpoint_rotted_while_down_opens_and_gets_backfilled() {
     const K: u32 = 2;
     const M: u32 = 1;
     let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let h = common::cluster(
-        "nvstore-ckrot-",
-        &LocalOptions {
-            nodes: 4,
-            monitors: 1,
-            device_bytes: 128 << 20,
-            down_grace_ms: 1500,
-            heartbeat_ms: 300,
-            ..LocalOptions::default()
-        },
-    );
+    let h = small_cluster("nvstore-ckrot-");
     let c = &h.client;
     let pool = c.create_pool("ck", K, M, UNIT, 8, None).unwrap();
     let objects: Vec<(String, Vec<u8>)> = (0..12)
