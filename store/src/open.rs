@@ -120,6 +120,10 @@ pub enum SalvageKind {
     /// (it is the last one, or the chain broke after it), or a segment header of its chain
     /// fails its CRC. This batch and every later one were not loaded.
     CheckpointChain,
+    /// A log segment header fails its CRC: it was rebuilt from the batches the segment holds
+    /// (the first verifies as the batch the chain expects there) and written back. Nothing was
+    /// lost.
+    SegmentHeader,
 }
 
 impl fmt::Display for SalvageKind {
@@ -130,6 +134,7 @@ impl fmt::Display for SalvageKind {
             SalvageKind::BatchRecords => "batch-records",
             SalvageKind::CheckpointBatch => "checkpoint-batch",
             SalvageKind::CheckpointChain => "checkpoint-chain",
+            SalvageKind::SegmentHeader => "segment-header",
         })
     }
 }
@@ -197,6 +202,12 @@ impl fmt::Display for Salvaged {
                 "): expected crc32c {:#010x}, found {:#010x}; ",
                 self.expected, self.found
             )?;
+        }
+        if self.kind == SalvageKind::SegmentHeader {
+            return f.write_str(
+                "no objects affected: the header was rebuilt from the batches the segment holds \
+                 and written back",
+            );
         }
         if self.keys.is_empty() {
             return f.write_str("objects affected unknown");
@@ -473,16 +484,24 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
     let (max_seq, skipped_batches) =
         replay_log(&dev, &mut q, &mut r, &index, config.salvage, &mut report)?;
     report.replayed_bytes = r.bytes_read;
-    let head = r.pos;
-    if head.off > 0 && head.next_seg as u64 >= layout.segments as u64 {
+    let mut head = r.pos;
+    if head.off > 0 && head.next_seg as u64 >= layout.segments as u64 && !r.next_unknown {
         // Replay starts inside a segment whose header does not check, so the log cannot be
         // followed (nor appended to) from here.
         return Err(StoreError::Format {
             device: name,
             detail: format!(
                 "the log segment {} where replay starts (byte {} in it, batch {}) has no valid \
-                 segment header; the log cannot be followed. Rebuild this device from its peers",
-                head.seg, head.off, head.batch_seq
+                 segment header; the log cannot be followed. {}",
+                head.seg,
+                head.off,
+                head.batch_seq,
+                if config.salvage {
+                    "Rebuild this device from its peers"
+                } else {
+                    "Open with salvage (a node does) to rebuild the header from the batches \
+                     behind it, or rebuild this device from its peers"
+                }
             ),
         });
     }
@@ -514,6 +533,18 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
             },
         );
     }
+    if r.next_unknown {
+        // The head's segment header was rebuilt and nothing follows it: reserve the segment
+        // the log continues in; the rewritten header names it.
+        let next = segs
+            .alloc(true)
+            .ok_or_else(|| crate::stream::out_of_space(&segs))?;
+        head.next_seg = next;
+        if let Some(rb) = r.rebuilt.last_mut() {
+            rb.next_seg = next;
+        }
+    }
+    rewrite_rebuilt_headers(&dev, &mut q, &r)?;
     if head.off == 0 {
         segs.set_state(head.seg, SegState::Reserved);
     } else {
@@ -750,6 +781,7 @@ fn replay_log<D: BlockDevice>(
     let name = dev.name();
     let mut max_seq = 0u64;
     let mut skipped_batches = 0u64;
+    r.rebuild_headers = salvage;
     loop {
         while let Some(b) = r.next(dev, q)? {
             replay_records(index, b.records, &mut max_seq);
@@ -759,6 +791,20 @@ fn replay_log<D: BlockDevice>(
             // A torn tail (nothing later proves it was acknowledged): the log ends here.
             break;
         };
+        if let (false, Some((seg, expected, found))) = (salvage, r.rotten_header) {
+            return Err(StoreError::Format {
+                device: name.clone(),
+                detail: format!(
+                    "the header of log segment {seg} (byte {}) fails its crc32c (expected \
+                     {expected:#010x}, found {found:#010x}), and batch {seq} at byte {offset} \
+                     was written after the batches behind it had been acknowledged. Refusing \
+                     to open rather than lose them; open with salvage (a node does) to \
+                     rebuild the header from those batches, or rebuild this device from its \
+                     peers",
+                    r_segment_base(r, seg)
+                ),
+            });
+        }
         if !salvage {
             let head = r.pos;
             return Err(StoreError::Format {
@@ -813,6 +859,32 @@ fn replay_log<D: BlockDevice>(
             }
         }
     }
+    for rb in &r.rebuilt {
+        if r.durable_through < rb.first_batch_seq {
+            // Nothing proves the segment's batches were acknowledged: its header may just
+            // have been torn by a crash as the segment opened. Rebuilt all the same (the
+            // batches verify), but not reported as damage.
+            tracing::info!(
+                device = %name,
+                segment = rb.seg,
+                "log segment header failed its crc and no later batch proves the segment \
+                 acknowledged (torn as it opened); rebuilt from its batches"
+            );
+            continue;
+        }
+        report.salvaged.push(Salvaged {
+            device: name.clone(),
+            kind: SalvageKind::SegmentHeader,
+            offset: r_segment_base(r, rb.seg),
+            len: r.layout().block,
+            batch_seq: rb.first_batch_seq,
+            batches_skipped: 0,
+            expected: rb.expected,
+            found: rb.found,
+            keys: Vec::new(),
+            keys_complete: true,
+        });
+    }
     for p in &report.salvaged {
         tracing::warn!(
             device = %p.device,
@@ -823,6 +895,41 @@ fn replay_log<D: BlockDevice>(
         );
     }
     Ok((max_seq, skipped_batches))
+}
+
+fn r_segment_base(r: &StreamReader, seg: u32) -> u64 {
+    r.layout().segment_base(seg)
+}
+
+/// Write back the log segment headers replay rebuilt (FUA each), now that each names the
+/// segment its stream continues in. A torn write leaves it rotten: the next salvage open
+/// rebuilds it again.
+fn rewrite_rebuilt_headers<D: BlockDevice>(
+    dev: &D,
+    q: &mut D::Queue,
+    r: &StreamReader,
+) -> Result<()> {
+    let layout = r.layout();
+    let now = now_ns();
+    for rb in &r.rebuilt {
+        if rb.next_seg == NO_SEGMENT {
+            // (Cannot happen: the reader leaves a segment only for a known successor, and the
+            // head's was reserved above.) Left rotten rather than written wrong.
+            tracing::warn!(segment = rb.seg, "rebuilt segment header has no successor");
+            continue;
+        }
+        let h = rb.header(r.stream_id(), SEGMENT_LOG, now);
+        let mut img = vec![0u8; layout.block as usize];
+        img[..64].copy_from_slice(h.as_bytes());
+        driver::io::write_slice(dev, q, layout.segment_base(rb.seg), &img, true)?;
+        tracing::info!(
+            segment = rb.seg,
+            next = rb.next_seg,
+            first_batch = rb.first_batch_seq,
+            "rebuilt log segment header written back"
+        );
+    }
+    Ok(())
 }
 
 /// Apply one replayed batch's records to the index: a state or remove wins over what the index

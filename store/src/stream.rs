@@ -124,8 +124,66 @@ pub struct StreamReader {
     image: Option<(u32, Vec<u8>)>,
     /// Bytes of batches returned so far.
     pub bytes_read: u64,
+    /// The newest `durable_through` of the batches returned so far: every batch up to it was
+    /// acknowledged.
+    pub durable_through: u64,
     /// Segments the stream visited, with the newest batch seen in each.
     pub visited: Vec<(u32, u64)>,
+    /// Follow the chain past a segment header that fails its CRC when the batches behind it
+    /// prove where the segment stands in the stream ([`Self::rebuilt`]); off: stop there.
+    pub rebuild_headers: bool,
+    /// Segment headers that failed their CRC and were identified from their batches, in
+    /// stream order (only with `rebuild_headers`).
+    pub rebuilt: Vec<RebuiltHeader>,
+    /// The current segment's header was rebuilt and the segment the stream continues in is
+    /// not known yet (`pos.next_seg` is `NO_SEGMENT`): found by a scan at its end.
+    pub next_unknown: bool,
+    /// The last segment header that stopped the reader by failing its CRC: (segment, stored
+    /// crc, computed crc).
+    pub rotten_header: Option<(u32, u32, u32)>,
+}
+
+/// A segment header that failed its CRC, rebuilt from what the stream proves: the segment's
+/// first batch verifies as the batch the chain expects there (or, where replay starts, as the
+/// stream's). The open writes it back with the segment it continues in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RebuiltHeader {
+    pub seg: u32,
+    pub seg_seq: u64,
+    pub first_batch_seq: u64,
+    /// The first batch's generation (the header's own is no newer).
+    pub gen: u32,
+    /// Where the stream continues; `NO_SEGMENT` until known (for the head's segment, the
+    /// open reserves one).
+    pub next_seg: u32,
+    /// The CRC the rotten header stores and the one its bytes give.
+    pub expected: u32,
+    pub found: u32,
+}
+
+impl RebuiltHeader {
+    /// The header to write back (`created_unix_ns`: when it was rebuilt).
+    pub fn header(&self, stream_id: u64, kind: u16, now_ns: u64) -> SegmentHeader {
+        let mut h = SegmentHeader::new_zeroed();
+        h.magic = SEGMENT_MAGIC.into();
+        h.version = (FORMAT_VERSION as u16).into();
+        h.kind = kind.into();
+        h.stream_id = stream_id.into();
+        h.segment = self.seg.into();
+        h.next_segment = self.next_seg.into();
+        h.segment_seq = self.seg_seq.into();
+        h.first_batch_seq = self.first_batch_seq.into();
+        h.gen = self.gen.into();
+        h.created_unix_ns = now_ns.into();
+        h.seal();
+        h
+    }
+}
+
+/// The CRC a 64-byte header stores in its last four bytes, and the one its first 60 give.
+fn stored_and_computed_crc(raw: &[u8]) -> (u32, u32) {
+    let stored = u32::from_le_bytes(raw[60..64].try_into().unwrap());
+    (stored, crc32c::crc32c(&raw[..60]))
 }
 
 impl StreamReader {
@@ -138,7 +196,12 @@ impl StreamReader {
             last_gen: 0,
             image: None,
             bytes_read: 0,
+            durable_through: 0,
             visited: Vec::new(),
+            rebuild_headers: false,
+            rebuilt: Vec::new(),
+            next_unknown: false,
+            rotten_header: None,
         }
     }
 
@@ -154,6 +217,14 @@ impl StreamReader {
             *image = Some((seg, bytes));
         }
         Ok(&image.as_ref().unwrap().1)
+    }
+
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    pub fn stream_id(&self) -> u64 {
+        self.stream_id
     }
 
     fn header_ok(&self, h: &SegmentHeader, seg: u32, seg_seq: u64, batch_seq: u64) -> bool {
@@ -287,7 +358,8 @@ impl StreamReader {
     /// stream continues).
     pub fn next<D: BlockDevice>(&mut self, dev: &D, q: &mut D::Queue) -> Result<Option<BatchRead>> {
         let layout = self.layout;
-        if self.pos.off > 0 && self.pos.next_seg == crate::format::NO_SEGMENT {
+        if self.pos.off > 0 && self.pos.next_seg == crate::format::NO_SEGMENT && !self.next_unknown
+        {
             // Starting mid-segment: learn where the stream continues from the segment header.
             let image = Self::load(&mut self.image, &layout, dev, q, self.pos.seg)?;
             match parse_segment_header(image) {
@@ -297,21 +369,34 @@ impl StreamReader {
                     self.pos.next_seg = h.next_segment.get();
                     self.last_gen = self.last_gen.max(h.gen.get());
                 }
-                _ => return Ok(None),
+                Some(_) => return Ok(None),
+                None => {
+                    if !self.rebuild_start(dev, q)? {
+                        return Ok(None);
+                    }
+                }
             }
         }
         loop {
             if self.pos.off == 0 {
                 let image = Self::load(&mut self.image, &layout, dev, q, self.pos.seg)?;
-                let Some(h) = parse_segment_header(image) else {
-                    return Ok(None);
-                };
-                if !self.header_ok(&h, self.pos.seg, self.pos.seg_seq, self.pos.batch_seq) {
-                    return Ok(None);
+                match parse_segment_header(image) {
+                    Some(h) => {
+                        if !self.header_ok(&h, self.pos.seg, self.pos.seg_seq, self.pos.batch_seq) {
+                            return Ok(None);
+                        }
+                        self.pos.off = layout.block;
+                        self.pos.next_seg = h.next_segment.get();
+                        self.last_gen = self.last_gen.max(h.gen.get());
+                    }
+                    None => {
+                        let (seg, seg_seq) = (self.pos.seg, self.pos.seg_seq);
+                        if !self.rebuild_entered(dev, q, seg, seg_seq)? {
+                            return Ok(None);
+                        }
+                        self.pos.off = layout.block;
+                    }
                 }
-                self.pos.off = layout.block;
-                self.pos.next_seg = h.next_segment.get();
-                self.last_gen = self.last_gen.max(h.gen.get());
             }
             let (stream_id, pos, last_gen) = (self.stream_id, self.pos, self.last_gen);
             let image = Self::load(&mut self.image, &layout, dev, q, self.pos.seg)?;
@@ -320,25 +405,201 @@ impl StreamReader {
                 return Ok(Some(b));
             }
             // The stream may continue in the next segment if the batch did not fit here.
+            if self.next_unknown {
+                let Some(next) = self.find_successor(dev, q)? else {
+                    return Ok(None);
+                };
+                self.pos.next_seg = next;
+                self.next_unknown = false;
+                if let Some(rb) = self.rebuilt.last_mut() {
+                    rb.next_seg = next;
+                }
+            }
             let next = self.pos.next_seg;
             let image = Self::load(&mut self.image, &layout, dev, q, next)?;
-            let Some(h) = parse_segment_header(image) else {
-                return Ok(None);
-            };
-            if !self.header_ok(&h, next, self.pos.seg_seq + 1, self.pos.batch_seq) {
-                // Keep the current segment image for the caller's position.
-                self.image = None;
-                return Ok(None);
+            let (seg_seq, batch_seq) = (self.pos.seg_seq + 1, self.pos.batch_seq);
+            match parse_segment_header(image) {
+                Some(h) => {
+                    if !self.header_ok(&h, next, seg_seq, batch_seq) {
+                        // Keep the current segment image for the caller's position.
+                        self.image = None;
+                        return Ok(None);
+                    }
+                    self.pos = Pos {
+                        seg: next,
+                        off: layout.block,
+                        seg_seq,
+                        batch_seq,
+                        next_seg: h.next_segment.get(),
+                    };
+                    self.last_gen = self.last_gen.max(h.gen.get());
+                }
+                None => {
+                    let here = self.pos;
+                    if !self.rebuild_entered(dev, q, next, seg_seq)? {
+                        self.pos = here;
+                        self.image = None;
+                        return Ok(None);
+                    }
+                    self.pos = Pos {
+                        seg: next,
+                        off: layout.block,
+                        seg_seq,
+                        batch_seq,
+                        next_seg: crate::format::NO_SEGMENT,
+                    };
+                }
             }
-            self.pos = Pos {
-                seg: next,
-                off: layout.block,
-                seg_seq: self.pos.seg_seq + 1,
-                batch_seq: self.pos.batch_seq,
-                next_seg: h.next_segment.get(),
-            };
-            self.last_gen = self.last_gen.max(h.gen.get());
         }
+    }
+
+    /// The header of `seg`, which the chain enters as its `seg_seq`-th segment expecting batch
+    /// `pos.batch_seq` first, fails its CRC. Note it in `rotten_header`; with
+    /// `rebuild_headers`, rebuild it if the segment's first batch verifies as exactly that
+    /// batch (header, records and data, no older generation than the stream's), and go on with
+    /// the successor unknown. Returns whether it did.
+    fn rebuild_entered<D: BlockDevice>(
+        &mut self,
+        dev: &D,
+        q: &mut D::Queue,
+        seg: u32,
+        seg_seq: u64,
+    ) -> Result<bool> {
+        let layout = self.layout;
+        let (sid, batch_seq, last_gen) = (self.stream_id, self.pos.batch_seq, self.last_gen);
+        let image = Self::load(&mut self.image, &layout, dev, q, seg)?;
+        let (expected, found) = stored_and_computed_crc(image);
+        let at = Pos {
+            seg,
+            off: layout.block,
+            seg_seq,
+            batch_seq,
+            next_seg: crate::format::NO_SEGMENT,
+        };
+        let Some(first) = batch_at(&layout, sid, at, last_gen, image, layout.block) else {
+            // No batch the chain expects: a segment reserved and never opened, or one whose
+            // opening was torn by a crash. The stream ends before it.
+            return Ok(false);
+        };
+        self.rotten_header = Some((seg, expected, found));
+        if !self.rebuild_headers {
+            return Ok(false);
+        }
+        let gen = first.header.gen.get();
+        self.rebuilt.push(RebuiltHeader {
+            seg,
+            seg_seq,
+            first_batch_seq: batch_seq,
+            gen,
+            next_seg: crate::format::NO_SEGMENT,
+            expected,
+            found,
+        });
+        self.last_gen = self.last_gen.max(gen);
+        self.next_unknown = true;
+        Ok(true)
+    }
+
+    /// Replay starts inside `pos.seg` and its header fails its CRC. The superblock vouches for
+    /// the segment's place in the stream; its first batch header (which must check and be this
+    /// stream's, no later than where replay starts) gives the rest. Returns whether it rebuilt
+    /// the header (only with `rebuild_headers`).
+    fn rebuild_start<D: BlockDevice>(&mut self, dev: &D, q: &mut D::Queue) -> Result<bool> {
+        let layout = self.layout;
+        let pos = self.pos;
+        let image = Self::load(&mut self.image, &layout, dev, q, pos.seg)?;
+        let (expected, found) = stored_and_computed_crc(image);
+        let first = BatchHeader::read_from_prefix(&image[layout.block as usize..])
+            .ok()
+            .map(|(h, _)| h)
+            .filter(|h| {
+                h.is_valid() && h.stream_id.get() == self.stream_id && h.seq.get() <= pos.batch_seq
+            });
+        self.rotten_header = Some((pos.seg, expected, found));
+        let Some(first) = first else {
+            return Ok(false);
+        };
+        if !self.rebuild_headers {
+            return Ok(false);
+        }
+        let gen = first.gen.get();
+        self.rebuilt.push(RebuiltHeader {
+            seg: pos.seg,
+            seg_seq: pos.seg_seq,
+            first_batch_seq: first.seq.get(),
+            gen,
+            next_seg: crate::format::NO_SEGMENT,
+            expected,
+            found,
+        });
+        self.last_gen = self.last_gen.max(gen);
+        self.next_unknown = true;
+        Ok(true)
+    }
+
+    /// The segment the stream continues in after the current one, whose rebuilt header no
+    /// longer says: the one whose header checks as this stream's next (`seg_seq + 1`, first
+    /// batch the one expected next), or whose header fails its CRC but whose first batch
+    /// verifies as that batch. Among several (a crashed open may have left a stale one), the
+    /// one whose first batch verifies, then the newest generation. Reads two blocks of every
+    /// segment (and the whole of each candidate): a salvage open pays it once per rebuilt
+    /// header. `None`: the stream ends in the current segment.
+    fn find_successor<D: BlockDevice>(&mut self, dev: &D, q: &mut D::Queue) -> Result<Option<u32>> {
+        let layout = self.layout;
+        let pos = self.pos;
+        let (sid, kind, last_gen) = (self.stream_id, self.kind, self.last_gen);
+        let want = Pos {
+            seg: 0,
+            off: layout.block,
+            seg_seq: pos.seg_seq + 1,
+            batch_seq: pos.batch_seq,
+            next_seg: crate::format::NO_SEGMENT,
+        };
+        let mut best: Option<((bool, u32), u32)> = None;
+        for seg in (0..layout.segments).filter(|&s| s != pos.seg) {
+            let head = read_region(dev, q, layout.segment_base(seg), 2 * layout.block)?;
+            let gen = match parse_segment_header(&head) {
+                Some(h) => {
+                    if h.stream_id.get() != sid
+                        || h.kind.get() != kind
+                        || h.segment.get() != seg
+                        || h.segment_seq.get() != want.seg_seq
+                        || h.first_batch_seq.get() != want.batch_seq
+                        || h.gen.get() < last_gen
+                        || h.next_segment.get() >= layout.segments
+                    {
+                        continue;
+                    }
+                    Some(h.gen.get())
+                }
+                None => None,
+            };
+            let first = BatchHeader::read_from_prefix(&head[layout.block as usize..])
+                .ok()
+                .map(|(h, _)| h)
+                .filter(|h| {
+                    h.is_valid()
+                        && h.stream_id.get() == sid
+                        && h.seq.get() == want.batch_seq
+                        && h.gen.get() >= last_gen
+                });
+            if gen.is_none() && first.is_none() {
+                continue;
+            }
+            let image = Self::load(&mut self.image, &layout, dev, q, seg)?;
+            let at = Pos { seg, ..want };
+            let verifies = batch_at(&layout, sid, at, last_gen, image, layout.block).is_some();
+            let Some(gen) = gen.or(verifies.then(|| first.unwrap().gen.get())) else {
+                // A rotten header and a first batch that does not verify: not provably ours.
+                continue;
+            };
+            let rank = (verifies, gen);
+            if best.is_none_or(|(r, _)| rank > r) {
+                best = Some((rank, seg));
+            }
+        }
+        self.image = None;
+        Ok(best.map(|(_, seg)| seg))
     }
 }
 
@@ -427,6 +688,7 @@ impl StreamReader {
         self.pos.batch_seq += 1;
         self.last_gen = b.header.gen.get();
         self.bytes_read += b.bytes;
+        self.durable_through = self.durable_through.max(b.header.durable_through.get());
         self.note_visit(self.pos.seg, b.header.seq.get());
     }
 
@@ -447,7 +709,7 @@ impl StreamReader {
     pub fn salvage<D: BlockDevice>(&mut self, dev: &D, q: &mut D::Queue) -> Result<Salvage> {
         let layout = self.layout;
         let (pos, last_gen, stream_id) = (self.pos, self.last_gen, self.stream_id);
-        if pos.off == 0 || pos.next_seg as u64 >= layout.segments as u64 {
+        if pos.off == 0 || (pos.next_seg as u64 >= layout.segments as u64 && !self.next_unknown) {
             return Err(self.chain_broken(dev, pos.seg));
         }
         let image = Self::load(&mut self.image, &layout, dev, q, pos.seg)?;
@@ -472,10 +734,7 @@ impl StreamReader {
                 Checked::NoBatch => {
                     // (No room for a header at all when the segment is full up to `pos.off`.)
                     let raw = image.get(pos.off as usize..pos.off as usize + 64);
-                    let (stored, computed) = raw.map_or((0, 0), |raw| {
-                        let stored = u32::from_le_bytes(raw[60..64].try_into().unwrap());
-                        (stored, crc32c::crc32c(&raw[..60]))
-                    });
+                    let (stored, computed) = raw.map_or((0, 0), stored_and_computed_crc);
                     (
                         SkipKind::Header,
                         stored,
@@ -548,6 +807,11 @@ impl StreamReader {
             return Ok(Some((next, off)));
         }
         let seg = pos.next_seg;
+        if self.next_unknown {
+            // After a rebuilt header: the skipped run would have to end in a segment nothing
+            // names. Not followed.
+            return Ok(None);
+        }
         let image = Self::load(&mut self.image, &layout, dev, q, seg)?;
         let Some(h) = parse_segment_header(image) else {
             // A rotten header, or a segment the stream reserved and never opened.
