@@ -404,6 +404,13 @@ impl StreamReader {
                 self.advance(&b);
                 return Ok(Some(b));
             }
+            if self.pos.off == layout.block {
+                // A segment's first batch always starts at block 1 (a batch fits any empty
+                // segment): nothing valid there, so the stream ends here. Going on to this
+                // segment's successor would leave it unread, so unaccounted and free to be
+                // reused while the chain still runs through it.
+                return Ok(None);
+            }
             // The stream may continue in the next segment if the batch did not fit here.
             if self.next_unknown {
                 let Some(next) = self.find_successor(dev, q)? else {
