@@ -71,12 +71,24 @@ pub(crate) fn lent_bytes(l: &Lent) -> &[u8] {
     l.get()
 }
 
+pub(crate) fn lent_len(l: &Lent) -> usize {
+    l.len
+}
+
 pub(crate) enum DataRef {
     Lent(Lent),
     Owned(Vec<u8>),
     /// Already in a DMA buffer (copied there by the preparing caller, in parallel with other
-    /// callers): written as its own IO, no copy on the commit thread. `None` once submitted.
-    Dma(Option<DmaBuf>, usize),
+    /// callers): written as its own IO, no copy on the commit thread. The buffer holds this
+    /// chunk's `len` bytes and the `run - 1` whole chunks after it ([`DataRef::DmaPart`]s),
+    /// which the batch lays out right after it: one write for all. `None` once submitted.
+    Dma {
+        buf: Option<DmaBuf>,
+        len: usize,
+        run: usize,
+    },
+    /// A chunk of `len` bytes held in the run buffer of an earlier chunk of the same object.
+    DmaPart(usize),
 }
 
 impl DataRef {
@@ -85,7 +97,9 @@ impl DataRef {
         match self {
             DataRef::Lent(l) => l.get(),
             DataRef::Owned(v) => v,
-            DataRef::Dma(..) => unreachable!("DMA items are submitted, not copied"),
+            DataRef::Dma { .. } | DataRef::DmaPart(_) => {
+                unreachable!("DMA items are submitted, not copied")
+            }
         }
     }
 
@@ -93,7 +107,7 @@ impl DataRef {
         match self {
             DataRef::Lent(l) => l.len,
             DataRef::Owned(v) => v.len(),
-            DataRef::Dma(_, n) => *n,
+            DataRef::Dma { len, .. } | DataRef::DmaPart(len) => *len,
         }
     }
 }
@@ -884,11 +898,37 @@ impl<D: BlockDevice> Committer<D> {
         // their own writes (a copied item after a DMA one starts a new run at its offset).
         let mut at = data_start;
         let mut in_run = true;
-        for &(t, m, i) in items.iter() {
+        for (k, &(t, m, i)) in items.iter().enumerate() {
             let len = item_len(&acc[t], m, i) as u64;
-            if let Some(buf) = item_dma(&mut acc[t], m, i) {
+            if item_is_dma_part(&acc[t], m, i) {
+                // Written with the run's first chunk.
+                at += round_up(len, layout.block);
+                continue;
+            }
+            if let Some((buf, run)) = item_dma(&mut acc[t], m, i) {
+                // The run's chunks in this batch: all of them unless the batch ends inside
+                // the run; then the rest go to the next batch as copies (a batch boundary
+                // falls inside a run at most once per segment).
+                let here = 1 + items[k + 1..]
+                    .iter()
+                    .take(run - 1)
+                    .enumerate()
+                    .take_while(|&(j, &it)| it == (t, m, i + 1 + j))
+                    .count();
+                let cb = len as usize;
+                for j in here..run {
+                    let MutOp::Put(p) = &mut acc[t].txn.muts[m].op else {
+                        unreachable!("a run belongs to a put")
+                    };
+                    if let Some(ChunkSrc::New(d @ DataRef::DmaPart(_), _)) = p.chunks.get_mut(i + j)
+                    {
+                        let mut v = vec![0u8; d.len()];
+                        buf.read_at(j * cb, &mut v);
+                        *d = DataRef::Owned(v);
+                    }
+                }
                 self.em
-                    .write_dma(at, buf, round_up(len, layout.block) as usize)?;
+                    .write_dma(at, buf, round_up((here * cb) as u64, layout.block) as usize)?;
                 in_run = false;
             } else {
                 if !in_run {
@@ -1276,15 +1316,23 @@ fn item_len(a: &Accepted, m: usize, i: usize) -> usize {
     }
 }
 
-/// Take a data item's DMA buffer, if it has one.
-fn item_dma(a: &mut Accepted, m: usize, i: usize) -> Option<DmaBuf> {
+/// Take a data item's DMA buffer, if it has one, and the chunks it holds.
+fn item_dma(a: &mut Accepted, m: usize, i: usize) -> Option<(DmaBuf, usize)> {
     let MutOp::Put(p) = &mut a.txn.muts[m].op else {
         return None;
     };
     match p.chunks.get_mut(i) {
-        Some(ChunkSrc::New(DataRef::Dma(buf, _), _)) => buf.take(),
+        Some(ChunkSrc::New(DataRef::Dma { buf, run, .. }, _)) => buf.take().map(|b| (b, *run)),
         _ => None,
     }
+}
+
+/// Whether a data item's bytes sit in an earlier chunk's run buffer.
+fn item_is_dma_part(a: &Accepted, m: usize, i: usize) -> bool {
+    let MutOp::Put(p) = &a.txn.muts[m].op else {
+        return false;
+    };
+    matches!(p.chunks.get(i), Some(ChunkSrc::New(DataRef::DmaPart(_), _)))
 }
 
 fn xattr_len(x: &XattrSrc) -> usize {

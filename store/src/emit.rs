@@ -23,6 +23,8 @@ struct Piece {
 pub struct Emitter<D: BlockDevice> {
     pub q: D::Queue,
     free: Vec<DmaBuf>,
+    /// Staging buffers the emitter owns (`free` plus those in flight).
+    staging: usize,
     piece_bytes: usize,
     block: usize,
     volatile: bool,
@@ -63,6 +65,7 @@ impl<D: BlockDevice> Emitter<D> {
         Ok(Emitter {
             q: dev.open_queue()?,
             free,
+            staging: count,
             piece_bytes,
             block: geo.block_size as usize,
             volatile: geo.volatile_write_cache,
@@ -99,8 +102,13 @@ impl<D: BlockDevice> Emitter<D> {
             } else if let Some(r) = self.rounds.iter_mut().find(|r| r.0 == c.tag) {
                 r.1 -= 1;
             }
-            // Staging buffers go back to the pool; callers' DMA buffers are freed.
-            if let Some(b) = c.buf.filter(|b| b.len() == self.piece_bytes) {
+            // Staging buffers go back to the pool; callers' DMA buffers are freed. (A caller's
+            // buffer can be as big as a piece: the pool keeps at most its own count, so such a
+            // buffer may stand in for a staging one but the pool never grows.)
+            if let Some(b) = c
+                .buf
+                .filter(|b| b.len() == self.piece_bytes && self.free.len() < self.staging)
+            {
                 self.free.push(b);
             }
         }

@@ -397,44 +397,80 @@ impl<D: BlockDevice> Shared<D> {
                 .filter(|c| matches!(c, Chunk::Lent(_)))
                 .count() as u64;
             let dma = lent * cb >= DMA_COPY_BYTES_MIN;
-            let chunks: Vec<ChunkSrc> = o
+            // Whole chunks of big writes are copied into DMA memory here, on the caller's
+            // thread, so the commit thread only submits them. Consecutive whole chunks share
+            // one buffer (up to the device's largest transfer), so they go out as one write:
+            // the first chunk's `DataRef::Dma` holds it, the others are `DmaPart`s. The copy
+            // overwrites every byte, so a recycled buffer is not zeroed.
+            let run_max = (self.dev.geometry().max_transfer_bytes as u64 / cb).max(1) as usize;
+            let whole: Vec<bool> = o
                 .chunks
-                .into_iter()
-                .enumerate()
-                .map(|(i, c)| {
-                    let logical = cb.min(size - i as u64 * cb);
-                    let (src, crc) = match c {
-                        Chunk::Keep(r) if r.len.get() == 0 => (ChunkSrc::Hole, None),
-                        Chunk::Keep(r) => (ChunkSrc::Keep(r), Some(r.crc.get())),
-                        Chunk::Hole => (ChunkSrc::Hole, None),
-                        Chunk::Lent(l) => {
-                            let bytes = crate::commit::lent_bytes(&l);
-                            let crc = crate::data_crc(bytes);
-                            // Whole chunks of big writes are copied into DMA memory here, on
-                            // the caller's thread, so the commit thread only submits them. The
-                            // copy overwrites every byte, so a recycled buffer is not zeroed.
-                            let buf = (dma && bytes.len() as u64 == cb)
-                                .then(|| self.dev.alloc_read_buf(bytes.len()).ok())
-                                .flatten();
-                            let src = match buf {
-                                Some(mut buf) => {
-                                    buf.write_at_streaming(0, bytes);
-                                    DataRef::Dma(Some(buf), bytes.len())
-                                }
-                                None => DataRef::Lent(l),
-                            };
-                            (ChunkSrc::New(src, crc), Some(crc))
-                        }
-                        Chunk::Owned(v) => {
-                            let crc = crate::data_crc(&v);
-                            (ChunkSrc::New(DataRef::Owned(v), crc), Some(crc))
-                        }
-                    };
-                    let part = crc.unwrap_or_else(|| zeros_crc(logical));
-                    object_crc = crc32c::crc32c_append(object_crc, &part.to_le_bytes());
-                    src
+                .iter()
+                .map(|c| {
+                    dma && matches!(c, Chunk::Lent(l) if crate::commit::lent_len(l) as u64 == cb)
                 })
                 .collect();
+            let mut chunks: Vec<ChunkSrc> = Vec::with_capacity(o.chunks.len());
+            // The open run: (index of its first chunk, chunks it holds, chunks filled).
+            let mut run: Option<(usize, usize, usize)> = None;
+            for (i, c) in o.chunks.into_iter().enumerate() {
+                let logical = cb.min(size - i as u64 * cb);
+                let (src, crc) = match c {
+                    Chunk::Keep(r) if r.len.get() == 0 => (ChunkSrc::Hole, None),
+                    Chunk::Keep(r) => (ChunkSrc::Keep(r), Some(r.crc.get())),
+                    Chunk::Hole => (ChunkSrc::Hole, None),
+                    Chunk::Lent(l) => {
+                        let bytes = crate::commit::lent_bytes(&l);
+                        let crc = crate::data_crc(bytes);
+                        if run.is_some_and(|(_, n, filled)| filled == n) {
+                            run = None;
+                        }
+                        if whole[i] && run.is_none() {
+                            let n = whole[i..].iter().take_while(|w| **w).count().min(run_max);
+                            if let Ok(buf) = self.dev.alloc_read_buf(n * cb as usize) {
+                                chunks.push(ChunkSrc::New(
+                                    DataRef::Dma {
+                                        buf: Some(buf),
+                                        len: bytes.len(),
+                                        run: n,
+                                    },
+                                    crc,
+                                ));
+                                run = Some((i, n, 0));
+                            }
+                        }
+                        match &mut run {
+                            Some((head, _, filled)) if whole[i] => {
+                                let ChunkSrc::New(DataRef::Dma { buf: Some(buf), .. }, _) =
+                                    &mut chunks[*head]
+                                else {
+                                    unreachable!("a run starts with its buffer")
+                                };
+                                buf.write_at_streaming(*filled * cb as usize, bytes);
+                                *filled += 1;
+                                if *head == i {
+                                    // (Pushed above.)
+                                    object_crc =
+                                        crc32c::crc32c_append(object_crc, &crc.to_le_bytes());
+                                    continue;
+                                }
+                                (ChunkSrc::New(DataRef::DmaPart(bytes.len()), crc), Some(crc))
+                            }
+                            _ => (ChunkSrc::New(DataRef::Lent(l), crc), Some(crc)),
+                        }
+                    }
+                    Chunk::Owned(v) => {
+                        let crc = crate::data_crc(&v);
+                        (ChunkSrc::New(DataRef::Owned(v), crc), Some(crc))
+                    }
+                };
+                if !matches!(src, ChunkSrc::New(DataRef::DmaPart(_), _)) {
+                    run = None;
+                }
+                let part = crc.unwrap_or_else(|| zeros_crc(logical));
+                object_crc = crc32c::crc32c_append(object_crc, &part.to_le_bytes());
+                chunks.push(src);
+            }
             // The object checksum: `meta::chunk_digest` of the chunk CRCs.
             let data_crc = object_crc;
             MutOp::Put(PutState {
