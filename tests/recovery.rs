@@ -507,3 +507,72 @@ fn a_restarted_node_refuses_shard_ops_until_its_boot_is_answered() {
     // The cluster serves as before.
     read_all(c, pool, &objects);
 }
+
+/// The lagging-primary resolve (src/node/primary.rs `resolve`, eighth stop): a member that
+/// has heard from a newer primary of the PG answers the old primary's shard stats with
+/// `StaleEpoch`. Resolve used to count such members as silent, so a readable object was
+/// reported unavailable; the old primary must hand the client `StaleEpoch` instead (the client
+/// then refreshes its map and retries at the new primary). Here a node identity plays the
+/// newer primary: it asks both other members of a k = 2, m = 1 PG for the PG log at epoch + 1
+/// (as in the interval test). The real primary, restarted so it has nothing cached, then
+/// resolves a stat for a client: only its own shard answers. Before the fix the reply was
+/// `Unavailable`.
+#[test]
+fn a_superseded_primary_sends_the_client_on_instead_of_calling_the_object_unavailable() {
+    use messenger::Identity;
+    use nvstore::ops::{ClientOp, SubOp};
+    use nvstore::wire::{self, Enc, Status};
+
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(8);
+    let c = &h.client;
+    let pool = c.create_pool("lag", 2, 1, 4096, 8, None).unwrap();
+    c.put(pool, b"lagging", b"readable bytes").unwrap();
+    let map = c.map();
+    let p = &map.pools[&pool];
+    let pg = pg_of(p, b"lagging");
+    let primary = Acting::compute(&map, p, pg).primary.unwrap();
+    h.lc.stop_member(&format!("node.{primary}"), true).unwrap();
+    wait_up(c, primary, false);
+    h.lc.start_member(&format!("node.{primary}")).unwrap();
+    wait_up(c, primary, true);
+    let map = c.map();
+    let a = Acting::compute(&map, &map.pools[&pool], pg);
+    assert_eq!(a.primary, Some(primary), "back up, it leads the PG again");
+    let others: Vec<u32> = a
+        .members
+        .iter()
+        .flatten()
+        .copied()
+        .filter(|m| *m != primary)
+        .collect();
+    assert_eq!(others.len(), 2);
+    let newer = (1..=8).find(|n| !a.members.contains(&Some(*n))).unwrap();
+    let q = h.raw_messenger(Identity::Node(newer));
+    for m in &others {
+        let conn = q.connect(map.nodes[m].addr, Identity::Node(*m)).unwrap();
+        let mut e = Enc::new(map.epoch + 1);
+        e.u64(pool).u32(pg);
+        let (s, msg) = ask(&conn, wire::MSG_PG_LOG, e.finish());
+        assert_eq!(s, Status::Ok, "member {m}: {msg}");
+    }
+
+    let me = h.raw_messenger(Identity::Client(4242));
+    let conn = me
+        .connect(map.nodes[&primary].addr, Identity::Node(primary))
+        .unwrap();
+    let stat = ClientOp {
+        epoch: map.epoch,
+        pool,
+        name: b"lagging",
+        flags: 0,
+        upload_id: 0,
+        ops: vec![SubOp::Stat],
+    }
+    .encode();
+    let (s, msg) = ask(&conn, wire::MSG_CLIENT_OP, stat);
+    assert_eq!(s, Status::StaleEpoch, "{msg}");
+    assert!(msg.contains(&format!("node.{newer}")), "{msg}");
+    q.shutdown();
+    me.shutdown();
+}

@@ -666,27 +666,28 @@ fn superblock_of(device: &str) -> store::format::Superblock {
     store::read_label(&dev).expect("a valid superblock")
 }
 
-/// A node is stopped cleanly and its store checkpointed offline (`store-tool checkpoint`, so
-/// the next open replays no log: every object state it holds is in the checkpoint). Then a
-/// bit flips in the records of the checkpoint's first batch, which here holds all of them (a
-/// lost last batch is reported as `checkpoint-chain`: nothing after it could be read).
-/// `store-tool fsck` names the place and exits 1. The node still starts (a lone
-/// store would refuse): it reports what it lost, asks the primaries of all its PGs to scrub
-/// (the lost batch cannot name all its objects), and recovery backfills every shard it held.
-/// Each of them is back on the node, every object reads exact, and a scrub pass is clean.
-#[test]
-fn a_node_whose_checkpoint_rotted_while_down_opens_and_gets_backfilled() {
-    const K: u32 = 2;
-    const M: u32 = 1;
-    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let h = small_cluster("nvstore-ckrot-");
+/// A small cluster with a k = 2, m = 1 pool of 12 objects, the first member of the first
+/// object's PG, the (object, slot) pairs it holds, and the device and extents of its shard
+/// of the first of them.
+struct OnOneNode {
+    h: Harness,
+    pool: u64,
+    objects: Vec<(String, Vec<u8>)>,
+    node: u32,
+    held: Vec<(usize, usize)>,
+    device: String,
+    extents: Vec<(u64, u64)>,
+}
+
+fn objects_on_one_node(prefix: &str, pool_name: &str, seed: u64) -> OnOneNode {
+    let h = small_cluster(prefix);
     let c = &h.client;
-    let pool = c.create_pool("ck", K, M, UNIT, 8, None).unwrap();
+    let pool = c.create_pool(pool_name, 2, 1, UNIT, 8, None).unwrap();
     let objects: Vec<(String, Vec<u8>)> = (0..12)
         .map(|i| {
             (
-                format!("ck-{i}"),
-                bytes(700 + i, 20_000 + 5_000 * i as usize),
+                format!("{pool_name}-{i}"),
+                bytes(seed + i, 20_000 + 5_000 * i as usize),
             )
         })
         .collect();
@@ -702,8 +703,59 @@ fn a_node_whose_checkpoint_rotted_while_down_opens_and_gets_backfilled() {
         .enumerate()
         .filter_map(|(i, (n, _))| Some((i, members(n).iter().position(|m| *m == Some(node))?)))
         .collect();
+    let (_, device, extents) = locate(c, pool, &objects[held[0].0].0, held[0].1).unwrap();
+    OnOneNode {
+        h,
+        pool,
+        objects,
+        node,
+        held,
+        device,
+        extents,
+    }
+}
+
+/// Wait for `status` to show the health line of a node that opened past one damaged place.
+fn wait_salvage_health_line(c: &Client, node: u32) {
+    let want = format!("node {node} opened its store past 1 damaged place(s)");
+    let t = Instant::now();
+    loop {
+        let st = c.status().unwrap();
+        if st.health_detail.iter().any(|d| d.contains(&want)) {
+            assert_eq!(st.health, "HEALTH_WARN", "{:?}", st.health_detail);
+            return;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "no health line {want:?}: {:?}",
+            st.health_detail
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A node is stopped cleanly and its store checkpointed offline (`store-tool checkpoint`, so
+/// the next open replays no log: every object state it holds is in the checkpoint). Then a
+/// bit flips in the records of the checkpoint's first batch, which here holds all of them (a
+/// lost last batch is reported as `checkpoint-chain`: nothing after it could be read).
+/// `store-tool fsck` names the place and exits 1. The node still starts (a lone
+/// store would refuse): it reports what it lost, asks the primaries of all its PGs to scrub
+/// (the lost batch cannot name all its objects), and recovery backfills every shard it held.
+/// Each of them is back on the node, every object reads exact, and a scrub pass is clean.
+#[test]
+fn a_node_whose_checkpoint_rotted_while_down_opens_and_gets_backfilled() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let OnOneNode {
+        h,
+        pool,
+        objects,
+        node,
+        held,
+        device,
+        ..
+    } = objects_on_one_node("nvstore-ckrot-", "ck", 700);
+    let c = &h.client;
     assert!(held.len() >= 3, "node {node} holds shards of {held:?}");
-    let (_, device, _) = locate(c, pool, &objects[held[0].0].0, held[0].1).unwrap();
     let member = format!("node.{node}");
     h.lc.stop_member(&member, false).unwrap();
 
@@ -778,21 +830,7 @@ fn a_node_whose_checkpoint_rotted_while_down_opens_and_gets_backfilled() {
     // The operator hears of it: a gauge, and a health line until the node restarts clean.
     let places = c.perf_dump(node).unwrap()["node"]["salvaged_places"].as_u64();
     assert_eq!(places, Some(1));
-    let want = format!("node {node} opened its store past 1 damaged place(s)");
-    let t = Instant::now();
-    loop {
-        let st = c.status().unwrap();
-        if st.health_detail.iter().any(|d| d.contains(&want)) {
-            assert_eq!(st.health, "HEALTH_WARN", "{:?}", st.health_detail);
-            break;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "no health line {want:?}: {:?}",
-            st.health_detail
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_salvage_health_line(c, node);
     for (name, data) in &objects {
         assert!(c.get(pool, name.as_bytes()).unwrap() == *data, "{name}");
     }
@@ -802,4 +840,64 @@ fn a_node_whose_checkpoint_rotted_while_down_opens_and_gets_backfilled() {
         0,
         "{clean:?}"
     );
+}
+
+/// A node is stopped cleanly and a bit flips in the header of a log segment holding one of
+/// its shards. `store-tool fsck` is not run (its salvage open would repair it). The node still
+/// starts: its store rebuilds the header from the batches behind it, writes it back and
+/// reports it, and nothing was lost. So no scrub is asked for and no mark dropped; every
+/// shard the node held is there at once, every object reads exact, and the operator sees the
+/// gauge and the health line. A plain open of the device afterwards is clean.
+#[test]
+fn a_node_whose_log_segment_header_rotted_while_down_rebuilds_it_and_loses_nothing() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let OnOneNode {
+        h,
+        pool,
+        objects,
+        node,
+        held,
+        device,
+        extents,
+    } = objects_on_one_node("nvstore-segrot-", "sg", 800);
+    let c = &h.client;
+    let member = format!("node.{node}");
+    h.lc.stop_member(&member, false).unwrap();
+
+    let sb = superblock_of(&device);
+    let seg_bytes = sb.segment_bytes.get() as u64;
+    let start = store::format::SEGMENTS_START_BYTES;
+    let base = start + (extents[0].0 - start) / seg_bytes * seg_bytes;
+    flip_at(&device, base + 30, 2);
+
+    start_again(&h, node);
+    let back = |&(i, s): &(usize, usize)| {
+        let req = locate_request(pool, objects[i].0.as_bytes(), s as u8);
+        c.node_call(node, wire::MSG_NODE_LOCATE, &req).is_ok()
+    };
+    let missing: Vec<_> = held.iter().filter(|x| !back(x)).collect();
+    assert!(missing.is_empty(), "lost on node {node}: {missing:?}");
+    let log = std::fs::read_to_string(h.lc.dir.join(format!("{member}.log"))).unwrap();
+    let want = format!("segment-header at byte offset {base}");
+    assert!(log.contains(&want), "{member}.log lacks {want:?}");
+    assert!(
+        !log.contains("asking nodes"),
+        "nothing lost: no scrub to ask for"
+    );
+    let places = c.perf_dump(node).unwrap()["node"]["salvaged_places"].as_u64();
+    assert_eq!(places, Some(1));
+    wait_salvage_health_line(c, node);
+    for (name, data) in &objects {
+        assert!(c.get(pool, name.as_bytes()).unwrap() == *data, "{name}");
+    }
+    // Written back: a plain open of the device (the node stopped) finds nothing to salvage.
+    h.lc.stop_member(&member, false).unwrap();
+    let dev = driver::FileDevice::open(
+        std::path::Path::new(&device),
+        driver::FileOptions::default(),
+    )
+    .unwrap();
+    let (s, r) = store::Store::open(dev, None, store::StoreConfig::default()).unwrap();
+    assert!(r.salvaged.is_empty(), "{:?}", r.salvaged);
+    drop(s);
 }

@@ -5,7 +5,8 @@
 //! stale shard), and lost checkpoint batches whose objects read as the log after the
 //! checkpoint has them or not at all (a missing shard). All are what the cluster scrub and
 //! backfill repair (crc error, "missing" at another version, missing); this asks for it at
-//! once instead of at the next scheduled pass.
+//! once instead of at the next scheduled pass. (A rebuilt log segment header lost nothing:
+//! it asks for nothing, though it still counts as damage the operator hears of.)
 //!
 //! The scrub of a PG runs on its primary, so the node asks the primaries of the PGs the damage
 //! touches (every PG it is a member of when a report cannot name all its objects) to start a
@@ -115,7 +116,7 @@ impl Node {
             let skipped: Vec<&Salvaged> = st
                 .salvage_report()
                 .iter()
-                .filter(|r| r.kind != SalvageKind::DataCrc)
+                .filter(|r| !matches!(r.kind, SalvageKind::DataCrc | SalvageKind::SegmentHeader))
                 .collect();
             if skipped.is_empty() {
                 continue;
@@ -148,8 +149,21 @@ impl Node {
     /// A store opened past damage: once the map that boots this node (`up_epoch`) is here,
     /// ask the primaries of the damaged PGs to scrub now (run on its own thread).
     pub(super) fn request_salvage_scrubs(self: &Arc<Self>, up_epoch: u64) {
-        let reports = self.salvage_reports();
+        let all = self.salvage_reports();
+        // A rebuilt segment header lost nothing: there is no shard to repair.
+        let reports: Vec<Salvaged> = all
+            .iter()
+            .filter(|r| r.kind != SalvageKind::SegmentHeader)
+            .cloned()
+            .collect();
         if reports.is_empty() {
+            if !all.is_empty() {
+                info!(
+                    "salvage: {} log segment header(s) rebuilt from their batches (listed \
+                     above); nothing was lost, no scrub needed",
+                    all.len()
+                );
+            }
             return;
         }
         if !self.monc.wait_epoch(up_epoch, UP_WAIT) {
