@@ -425,38 +425,25 @@ impl StreamReader {
             let next = self.pos.next_seg;
             let image = Self::load(&mut self.image, &layout, dev, q, next)?;
             let (seg_seq, batch_seq) = (self.pos.seg_seq + 1, self.pos.batch_seq);
-            match parse_segment_header(image) {
-                Some(h) => {
-                    if !self.header_ok(&h, next, seg_seq, batch_seq) {
-                        // Keep the current segment image for the caller's position.
-                        self.image = None;
-                        return Ok(None);
-                    }
-                    self.pos = Pos {
-                        seg: next,
-                        off: layout.block,
-                        seg_seq,
-                        batch_seq,
-                        next_seg: h.next_segment.get(),
-                    };
+            let next_seg = match parse_segment_header(image) {
+                Some(h) if self.header_ok(&h, next, seg_seq, batch_seq) => {
                     self.last_gen = self.last_gen.max(h.gen.get());
+                    h.next_segment.get()
                 }
-                None => {
-                    let here = self.pos;
-                    if !self.rebuild_entered(dev, q, next, seg_seq)? {
-                        self.pos = here;
-                        self.image = None;
-                        return Ok(None);
-                    }
-                    self.pos = Pos {
-                        seg: next,
-                        off: layout.block,
-                        seg_seq,
-                        batch_seq,
-                        next_seg: crate::format::NO_SEGMENT,
-                    };
+                None if self.rebuild_entered(dev, q, next, seg_seq)? => crate::format::NO_SEGMENT,
+                _ => {
+                    // Keep the current segment image for the caller's position.
+                    self.image = None;
+                    return Ok(None);
                 }
-            }
+            };
+            self.pos = Pos {
+                seg: next,
+                off: layout.block,
+                seg_seq,
+                batch_seq,
+                next_seg,
+            };
         }
     }
 
@@ -492,19 +479,30 @@ impl StreamReader {
         if !self.rebuild_headers {
             return Ok(false);
         }
-        let gen = first.header.gen.get();
+        self.note_rebuilt(
+            seg,
+            seg_seq,
+            batch_seq,
+            first.header.gen.get(),
+            (expected, found),
+        );
+        Ok(true)
+    }
+
+    /// Go on in `seg` behind its rebuilt header; the segment it continues in is found at its
+    /// end ([`Self::find_successor`]).
+    fn note_rebuilt(&mut self, seg: u32, seg_seq: u64, first: u64, gen: u32, crcs: (u32, u32)) {
         self.rebuilt.push(RebuiltHeader {
             seg,
             seg_seq,
-            first_batch_seq: batch_seq,
+            first_batch_seq: first,
             gen,
             next_seg: crate::format::NO_SEGMENT,
-            expected,
-            found,
+            expected: crcs.0,
+            found: crcs.1,
         });
         self.last_gen = self.last_gen.max(gen);
         self.next_unknown = true;
-        Ok(true)
     }
 
     /// Replay starts inside `pos.seg` and its header fails its CRC. The superblock vouches for
@@ -529,18 +527,8 @@ impl StreamReader {
         if !self.rebuild_headers {
             return Ok(false);
         }
-        let gen = first.gen.get();
-        self.rebuilt.push(RebuiltHeader {
-            seg: pos.seg,
-            seg_seq: pos.seg_seq,
-            first_batch_seq: first.seq.get(),
-            gen,
-            next_seg: crate::format::NO_SEGMENT,
-            expected,
-            found,
-        });
-        self.last_gen = self.last_gen.max(gen);
-        self.next_unknown = true;
+        let (seq, gen) = (first.seq.get(), first.gen.get());
+        self.note_rebuilt(pos.seg, pos.seg_seq, seq, gen, (expected, found));
         Ok(true)
     }
 
