@@ -907,8 +907,8 @@ impl<D: BlockDevice> Committer<D> {
             }
             if let Some((buf, run)) = item_dma(&mut acc[t], m, i) {
                 // The run's chunks in this batch: all of them unless the batch ends inside
-                // the run; then the rest go to the next batch as copies (a batch boundary
-                // falls inside a run at most once per segment).
+                // the run; then the rest go to the next batch as copies (at most one run
+                // per batch is cut).
                 let here = 1 + items[k + 1..]
                     .iter()
                     .take(run - 1)

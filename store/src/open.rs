@@ -801,7 +801,7 @@ fn replay_log<D: BlockDevice>(
                      to open rather than lose them; open with salvage (a node does) to \
                      rebuild the header from those batches, or rebuild this device from its \
                      peers",
-                    r_segment_base(r, seg)
+                    r.layout().segment_base(seg)
                 ),
             });
         }
@@ -875,7 +875,7 @@ fn replay_log<D: BlockDevice>(
         report.salvaged.push(Salvaged {
             device: name.clone(),
             kind: SalvageKind::SegmentHeader,
-            offset: r_segment_base(r, rb.seg),
+            offset: r.layout().segment_base(rb.seg),
             len: r.layout().block,
             batch_seq: rb.first_batch_seq,
             batches_skipped: 0,
@@ -895,10 +895,6 @@ fn replay_log<D: BlockDevice>(
         );
     }
     Ok((max_seq, skipped_batches))
-}
-
-fn r_segment_base(r: &StreamReader, seg: u32) -> u64 {
-    r.layout().segment_base(seg)
 }
 
 /// Write back the log segment headers replay rebuilt (FUA each), now that each names the
