@@ -425,21 +425,7 @@ impl<D: BlockDevice> Shared<D> {
                         if run.is_some_and(|(_, n, filled)| filled == n) {
                             run = None;
                         }
-                        if whole[i] && run.is_none() {
-                            let n = whole[i..].iter().take_while(|w| **w).count().min(run_max);
-                            if let Ok(buf) = self.dev.alloc_read_buf(n * cb as usize) {
-                                chunks.push(ChunkSrc::New(
-                                    DataRef::Dma {
-                                        buf: Some(buf),
-                                        len: bytes.len(),
-                                        run: n,
-                                    },
-                                    crc,
-                                ));
-                                run = Some((i, n, 0));
-                            }
-                        }
-                        match &mut run {
+                        let src = match &mut run {
                             Some((head, _, filled)) if whole[i] => {
                                 let ChunkSrc::New(DataRef::Dma { buf: Some(buf), .. }, _) =
                                     &mut chunks[*head]
@@ -448,23 +434,36 @@ impl<D: BlockDevice> Shared<D> {
                                 };
                                 buf.write_at_streaming(*filled * cb as usize, bytes);
                                 *filled += 1;
-                                if *head == i {
-                                    // (Pushed above.)
-                                    object_crc =
-                                        crc32c::crc32c_append(object_crc, &crc.to_le_bytes());
-                                    continue;
-                                }
-                                (ChunkSrc::New(DataRef::DmaPart(bytes.len()), crc), Some(crc))
+                                DataRef::DmaPart(bytes.len())
                             }
-                            _ => (ChunkSrc::New(DataRef::Lent(l), crc), Some(crc)),
-                        }
+                            _ if whole[i] => {
+                                let n = whole[i..].iter().take_while(|w| **w).count().min(run_max);
+                                match self.dev.alloc_read_buf(n * cb as usize) {
+                                    Ok(mut buf) => {
+                                        buf.write_at_streaming(0, bytes);
+                                        run = Some((i, n, 1));
+                                        DataRef::Dma {
+                                            buf: Some(buf),
+                                            len: bytes.len(),
+                                            run: n,
+                                        }
+                                    }
+                                    Err(_) => DataRef::Lent(l),
+                                }
+                            }
+                            _ => DataRef::Lent(l),
+                        };
+                        (ChunkSrc::New(src, crc), Some(crc))
                     }
                     Chunk::Owned(v) => {
                         let crc = crate::data_crc(&v);
                         (ChunkSrc::New(DataRef::Owned(v), crc), Some(crc))
                     }
                 };
-                if !matches!(src, ChunkSrc::New(DataRef::DmaPart(_), _)) {
+                if !matches!(
+                    src,
+                    ChunkSrc::New(DataRef::Dma { .. } | DataRef::DmaPart(_), _)
+                ) {
                     run = None;
                 }
                 let part = crc.unwrap_or_else(|| zeros_crc(logical));
