@@ -26,6 +26,9 @@ pub const MSG_SHARD_WRITE: u16 = 30;
 pub const MSG_SHARD_READ: u16 = 31;
 /// `MSG_SHARD_READ` flag: read the device, not the member's read cache (scrub).
 pub const SHARD_READ_FROM_DEVICE: u8 = 1;
+/// `MSG_SHARD_READ` flag: after the bytes, list the CRC of each whole chunk they are made of
+/// (the primary combines them into the reply's frame CRC instead of summing the bytes).
+pub const SHARD_READ_CHUNK_CRCS: u8 = 2;
 pub const MSG_SHARD_STAT: u16 = 32;
 pub const MSG_SHARD_ROLLBACK: u16 = 33;
 // Recovery (src/node/recovery.rs): served on the members' low-priority queue.
@@ -239,6 +242,14 @@ impl<'a> Dec<'a> {
         } else {
             self.u8()
         }
+    }
+    /// Step over `n` bytes.
+    pub fn skip(&mut self, n: usize) -> Result<()> {
+        self.take(n).map(|_| ())
+    }
+    /// Bytes left to read.
+    pub fn remaining(&self) -> usize {
+        self.b.len() - self.at
     }
     /// Offset of the next unread byte.
     pub fn pos(&self) -> usize {

@@ -101,6 +101,22 @@ fn concurrent_readers_are_coalesced_writes_are_never_missed_and_status_names_the
         total(&s0, |n| n.paced_replies),
         "a cold object's reply was paced"
     );
+    // Each cold read is whole chunks on every member (a shard's last chunk ends where its
+    // data does): the reply's CRC came from the members' chunk CRCs, no bytes summed. A range
+    // that starts inside a stripe unit cuts a chunk: summed.
+    assert_eq!(
+        total(&s1, |n| n.crc_known_fetches),
+        total(&s0, |n| n.crc_known_fetches) + 8,
+        "whole-object reads of the cold objects"
+    );
+    let got = c.get_range(pool, b"cold-0", 1000, 200 << 10).unwrap();
+    assert!(got == cold[1000..1000 + (200 << 10)]);
+    let s2 = status_until(c, "the cut read", |s| total(s, |n| n.read_ops) >= ops0 + 9);
+    assert_eq!(
+        total(&s2, |n| n.crc_known_fetches),
+        total(&s1, |n| n.crc_known_fetches),
+        "a range that starts inside a chunk has no known crc"
+    );
     let before = node_stats(&c.status().unwrap(), primary);
 
     // Many independent clients read the object at once: whole, in pieces, and via `get`

@@ -75,6 +75,9 @@ pub struct NodeStats {
     /// Shard fetches done for client reads.
     #[serde(default)]
     pub read_fetches: u64,
+    /// Of those, fetches whose CRC the members' chunk CRCs gave (no summing pass).
+    #[serde(default)]
+    pub crc_known_fetches: u64,
     /// Messenger loop passes, and those that woke to find nothing to do.
     #[serde(default)]
     pub msgr_iterations: u64,

@@ -303,10 +303,11 @@ pub struct RecordCounts {
 
 // ---- cache --------------------------------------------------------------------------------
 
-/// Slices at least this long share their range's crc. Combining a known crc into a frame's
-/// (a GF(2) matrix squaring per bit of the length) measured 10 µs at 4 KiB and 16–17 µs at
-/// 1–4 MiB here, against 0.25 µs, 19 µs and 77 µs to sum those lengths: a gain for the
-/// megabyte replies of a hot object, a 40× loss for a 4 KiB one (random reads lost ~15 %).
+/// Slices at least this long share their range's crc. The threshold dates from crc-fast's
+/// combine (a GF(2) matrix squaring per bit of the length: 10–17 µs, a 40× loss on a 4 KiB
+/// reply); `checksum::crc32c_combine` now takes ~0.07 µs against 0.65 µs to sum 4 KiB, so
+/// smaller replies could share too. A range whose crc came with its shard reads
+/// ([`Node::read_range_crc`]) is never summed, whatever its length.
 const CRC_SHARE_BYTES_MIN: usize = 1 << 20;
 
 /// A view into a shared buffer, sent without a copy. Views of the same range share one
@@ -351,6 +352,9 @@ unsafe impl messenger::RawBytes for Slice {
     }
 
     fn crc32c_append(&self, crc: u32) -> u32 {
+        if let Some(&own) = self.crc.get() {
+            return messenger::checksum::crc32c_combine(crc, own, self.len);
+        }
         if self.len < CRC_SHARE_BYTES_MIN {
             return messenger::checksum::crc32c_append(crc, self.bytes());
         }
@@ -527,6 +531,9 @@ pub struct HotCounters {
     pub cache_hits: AtomicU64,
     /// Shard fetches (with decode when degraded) done for client reads.
     pub read_fetches: AtomicU64,
+    /// Of those, fetches whose bytes' CRC came from the members' chunk CRCs: their replies
+    /// were sent without a pass to sum the bytes.
+    pub crc_known_fetches: AtomicU64,
     /// Large replies that waited their turn behind other replies (hot objects only).
     pub paced_replies: AtomicU64,
 }
@@ -850,8 +857,13 @@ impl Node {
             }
             fetched[i] = true;
             self.counters_fetch(1);
-            match self.read_range(&ctx, first.name, &st, f.lo, f.hi - f.lo) {
-                Ok(d) => {
+            match self.read_range_crc(&ctx, first.name, &st, f.lo, f.hi - f.lo) {
+                Ok((d, crc)) => {
+                    // Known from the members' chunk CRCs: no reply sums these bytes.
+                    if let Some(crc) = crc {
+                        let _ = f.crc.set(crc);
+                        self.hot.counters.crc_known_fetches.fetch_add(1, Relaxed);
+                    }
                     let d = Arc::new(d);
                     if hot || decoded.len() > 1 {
                         self.hot.cache.lock().unwrap().insert(

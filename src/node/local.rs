@@ -882,10 +882,13 @@ impl Local {
 
 /// A shard read's reply: `e` (the reply so far), the length, then the bytes as they lie:
 /// device buffers by address (no copy into a message buffer; see [`DmaSlice`]), cached chunks
-/// shared, holes as zeros. The same bytes on the wire as [`encode_read`].
-pub fn read_reply(mut e: Enc, r: ReadBuf) -> Vec<SendBuf> {
+/// shared, holes as zeros; with `crcs` ([`crate::wire::SHARD_READ_CHUNK_CRCS`]) the chunk CRC list
+/// after them. The same bytes on the wire as [`encode_read`].
+pub fn read_reply(mut e: Enc, r: ReadBuf, crcs: bool) -> Vec<SendBuf> {
     e.u32(r.len() as u32);
+    let trailer = crcs.then(|| chunk_crcs(&r));
     let mut parts = vec![SendBuf::Vec(e.finish())];
+    let mut chunks = r.chunk_crcs.iter();
     for p in r.parts {
         parts.push(match p {
             Part::Data { buf, start, len } => {
@@ -893,7 +896,13 @@ pub fn read_reply(mut e: Enc, r: ReadBuf) -> Vec<SendBuf> {
                     start + len <= buf.len(),
                     "a read part lies inside its buffer"
                 );
-                SendBuf::Raw(Box::new(DmaSlice { buf, start, len }))
+                let crc = part_crc(&mut chunks, len);
+                SendBuf::Raw(Box::new(DmaSlice {
+                    buf,
+                    start,
+                    len,
+                    crc,
+                }))
             }
             Part::Zeros(n) => SendBuf::Vec(vec![0; n]),
             Part::Cached { chunk, start, len } => {
@@ -901,13 +910,42 @@ pub fn read_reply(mut e: Enc, r: ReadBuf) -> Vec<SendBuf> {
             }
         });
     }
+    parts.extend(trailer.map(SendBuf::Vec));
     parts
 }
 
 /// A shard read's reply bytes after `e`, copied (the primary's own shard: no message).
-pub fn encode_read(e: &mut Enc, r: &ReadBuf) {
+pub fn encode_read(e: &mut Enc, r: &ReadBuf, crcs: bool) {
     e.u32(r.len() as u32);
     r.append_to(&mut e.0);
+    if crcs {
+        e.0.extend_from_slice(&chunk_crcs(r));
+    }
+}
+
+/// The CRC of the next `len` bytes of a read from its chunk CRCs (the store lists them only
+/// when every part is whole chunks, so a part ends where a chunk does); `None` without them.
+fn part_crc<'a>(chunks: &mut impl Iterator<Item = &'a (u32, u32)>, len: usize) -> Option<u32> {
+    let mut crc = 0;
+    let mut have = 0;
+    while have < len {
+        let &(n, sum) = chunks.next()?;
+        crc = messenger::checksum::crc32c_combine(crc, sum, n as usize);
+        have += n as usize;
+    }
+    (have == len).then_some(crc)
+}
+
+/// The chunk CRC list of a shard read reply: count u32, then (length u32, CRC-32C u32) per
+/// chunk, tiling the bytes; count 0 when the store does not know them all.
+fn chunk_crcs(r: &ReadBuf) -> Vec<u8> {
+    let mut v = Vec::with_capacity(4 + 8 * r.chunk_crcs.len());
+    v.extend_from_slice(&(r.chunk_crcs.len() as u32).to_le_bytes());
+    for &(len, crc) in &r.chunk_crcs {
+        v.extend_from_slice(&len.to_le_bytes());
+        v.extend_from_slice(&crc.to_le_bytes());
+    }
+    v
 }
 
 /// `len` bytes at `start` of a buffer the device read into, handed to the messenger by address.
@@ -915,6 +953,9 @@ struct DmaSlice {
     buf: driver::DmaBuf,
     start: usize,
     len: usize,
+    /// The bytes' CRC, combined from the chunk CRCs the store verified: the frame checksum
+    /// then does not read the bytes a second time.
+    crc: Option<u32>,
 }
 
 // SAFETY: the DmaBuf is owned here and its read has completed (the store returns buffers only
@@ -926,7 +967,10 @@ unsafe impl messenger::RawBytes for DmaSlice {
     }
 
     fn crc32c_append(&self, crc: u32) -> u32 {
-        self.buf.crc32c(crc, self.start, self.len)
+        match self.crc {
+            Some(own) => messenger::checksum::crc32c_combine(crc, own, self.len),
+            None => self.buf.crc32c(crc, self.start, self.len),
+        }
     }
 }
 

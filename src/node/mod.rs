@@ -615,12 +615,14 @@ impl Node {
                         let version = d.u64()?;
                         let off = d.u64()?;
                         let len = d.u64()?;
-                        let cached = d.opt_flags()? & wire::SHARD_READ_FROM_DEVICE == 0;
+                        let flags = d.opt_flags()?;
+                        let cached = flags & wire::SHARD_READ_FROM_DEVICE == 0;
+                        let crcs = flags & wire::SHARD_READ_CHUNK_CRCS != 0;
                         d.end()?;
                         let data = self
                             .local
                             .read(pool, pg, name, shard, version, off, len, cached)?;
-                        return Ok(local::read_reply(e, data));
+                        return Ok(local::read_reply(e, data, crcs));
                     }
                     wire::MSG_SHARD_STAT => {
                         d.end()?;
@@ -741,6 +743,7 @@ impl Node {
             coalesced_reads: self.hot.counters.coalesced_reads.load(Relaxed),
             cache_hits: self.hot.counters.cache_hits.load(Relaxed),
             read_fetches: self.hot.counters.read_fetches.load(Relaxed),
+            crc_known_fetches: self.hot.counters.crc_known_fetches.load(Relaxed),
             paced_replies: self.hot.counters.paced_replies.load(Relaxed),
             msgr_iterations: msgr.total(|w| w.iterations),
             msgr_empty_iterations: msgr.total(|w| w.empty_iterations),

@@ -21,6 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ec::{Codec, Profile, Shard};
+use messenger::checksum::crc32c_combine;
 use messenger::{Incoming, OutMessage, Payload, SendBuf};
 
 use super::local::{ShardMeta, ShardState, ShardWrite, WriteKind, BASE_ANY};
@@ -418,11 +419,13 @@ impl Node {
                 match t {
                     wire::MSG_SHARD_READ => {
                         let (v, off, len) = (d.u64()?, d.u64()?, d.u64()?);
-                        let cached = d.opt_flags()? & wire::SHARD_READ_FROM_DEVICE == 0;
+                        let flags = d.opt_flags()?;
+                        let cached = flags & wire::SHARD_READ_FROM_DEVICE == 0;
+                        let crcs = flags & wire::SHARD_READ_CHUNK_CRCS != 0;
                         let r = self
                             .local
                             .read(pool, pg, name, shard, v, off, len, cached)?;
-                        super::local::encode_read(&mut e, &r);
+                        super::local::encode_read(&mut e, &r, crcs);
                     }
                     wire::MSG_SHARD_STAT => self.local.stat(pool, pg, name, shard)?.encode(&mut e),
                     _ => {
@@ -628,7 +631,10 @@ impl Node {
             .iter()
             .map(|&(slot, off, len)| {
                 let mut e = self.shard_req_head(ctx, name, slot);
-                e.u64(st.version).u64(off).u64(len);
+                e.u64(st.version)
+                    .u64(off)
+                    .u64(len)
+                    .u8(wire::SHARD_READ_CHUNK_CRCS);
                 (slot, vec![SendBuf::Vec(e.finish())])
             })
             .collect();
@@ -653,11 +659,13 @@ impl Node {
             }
             let &(_, off, len) = want.iter().find(|w| w.0 == slot).expect("asked");
             let clip = ctx.clip(slot, st.size).saturating_sub(off).min(len) as usize;
+            d.skip(n)?;
             out.insert(
                 slot,
                 Fetched {
                     data: p.slice(at, n.min(clip)),
                     len: len as usize,
+                    crcs: parse_chunk_crcs(&mut d, n)?,
                 },
             );
         }
@@ -673,8 +681,21 @@ impl Node {
         offset: u64,
         len: u64,
     ) -> Result<Vec<u8>> {
+        Ok(self.read_range_crc(ctx, name, st, offset, len)?.0)
+    }
+
+    /// [`Node::read_range`], and the bytes' CRC-32C when the members' chunk CRCs give it
+    /// without summing them (every stripe unit read whole from a member's device).
+    pub(super) fn read_range_crc(
+        &self,
+        ctx: &Ctx,
+        name: &[u8],
+        st: &ObjState,
+        offset: u64,
+        len: u64,
+    ) -> Result<(Vec<u8>, Option<u32>)> {
         if offset >= st.size || len == 0 {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), Some(0)));
         }
         // A shard that fails to answer is read around (degraded), as long as k others can.
         // A corrupt one is also repaired after the op (`repair::note_corrupt`).
@@ -730,7 +751,7 @@ impl Node {
         offset: u64,
         len: u64,
         excluded: u64,
-    ) -> Result<Vec<u8>> {
+    ) -> Result<(Vec<u8>, Option<u32>)> {
         let len = len.min(st.size - offset);
         let k = ctx.k();
         let mut ranges: BTreeMap<usize, (u64, u64)> = BTreeMap::new();
@@ -805,14 +826,16 @@ impl Node {
         };
         // Extents come in object order and tile the range: append, no zeroing pass first.
         let mut out = Vec::with_capacity(len as usize);
+        let mut crc = Some(0);
         for e in ctx.profile.extents(offset, len) {
             let (base, buf) = &bufs[&e.shard];
             let at = (e.shard_offset - base) as usize;
             debug_assert_eq!(e.object_offset - offset, out.len() as u64);
             buf.append_to(at, e.len, &mut out);
+            crc = crc.and_then(|a| Some(crc32c_combine(a, buf.crc_of(at, e.len)?, e.len)));
         }
         debug_assert_eq!(out.len() as u64, len);
-        Ok(out)
+        Ok((out, crc))
     }
 
     // ---- write ----------------------------------------------------------------------------
@@ -1314,6 +1337,9 @@ impl Node {
 pub(super) struct Fetched {
     data: Payload,
     len: usize,
+    /// (length, CRC-32C) of the member's chunks, tiling the bytes it sent (before `data` was
+    /// clipped to the shard's size); empty when unknown.
+    crcs: Vec<(u32, u32)>,
 }
 
 impl Fetched {
@@ -1322,14 +1348,46 @@ impl Fetched {
         Fetched {
             data: Payload::from_vec(v),
             len,
+            crcs: Vec::new(),
         }
+    }
+
+    /// The CRC-32C of bytes `[at, at + n)` as [`Fetched::append_to`] gives them, when the
+    /// member's chunk CRCs cover exactly the meaningful part (whole chunks, none cut by `at`,
+    /// the end or the clip); the zeros past the meaningful bytes combine in.
+    fn crc_of(&self, at: usize, n: usize) -> Option<u32> {
+        let have = self.data.len().clamp(at, at + n);
+        let mut crc = 0;
+        let mut pos = 0usize;
+        let mut to = at;
+        for &(len, sum) in &self.crcs {
+            let (lo, hi) = (pos, pos + len as usize);
+            pos = hi;
+            if hi <= at {
+                continue;
+            }
+            if lo >= have {
+                break;
+            }
+            if lo != to || hi > have {
+                return None;
+            }
+            crc = crc32c_combine(crc, sum, len as usize);
+            to = hi;
+        }
+        if to != have {
+            return None;
+        }
+        Some(crc32c_combine(crc, zeros_crc(at + n - have), at + n - have))
     }
 
     /// Bytes `[at, at + out.len())` into `out`.
     fn copy_into(&self, at: usize, out: &mut [u8]) {
         debug_assert!(at + out.len() <= self.len);
         let have = self.data.len().saturating_sub(at).min(out.len());
-        out[..have].copy_from_slice(&self.data[at..at + have]);
+        if have > 0 {
+            out[..have].copy_from_slice(&self.data[at..at + have]);
+        }
         out[have..].fill(0);
     }
 
@@ -1337,7 +1395,9 @@ impl Fetched {
     fn append_to(&self, at: usize, n: usize, out: &mut Vec<u8>) {
         debug_assert!(at + n <= self.len);
         let have = self.data.len().saturating_sub(at).min(n);
-        out.extend_from_slice(&self.data[at..at + have]);
+        if have > 0 {
+            out.extend_from_slice(&self.data[at..at + have]);
+        }
         out.resize(out.len() + n - have, 0);
     }
 
@@ -1367,6 +1427,41 @@ pub(super) fn remember(c: &mut PgCache, name: &[u8], st: &ObjState) {
         c.objs.clear();
     }
     c.objs.insert(name.to_vec(), st.clone());
+}
+
+/// CRC-32C of `n` zero bytes.
+fn zeros_crc(mut n: usize) -> u32 {
+    static ZEROS: [u8; 4096] = [0; 4096];
+    let mut crc = 0;
+    while n > 0 {
+        let k = n.min(ZEROS.len());
+        crc = messenger::checksum::crc32c_append(crc, &ZEROS[..k]);
+        n -= k;
+    }
+    crc
+}
+
+/// A shard read reply's chunk CRC list ([`wire::SHARD_READ_CHUNK_CRCS`]) after its `n` bytes:
+/// empty when absent (an older member), or when it does not tile exactly the `n` bytes.
+fn parse_chunk_crcs(d: &mut Dec, n: usize) -> Result<Vec<(u32, u32)>> {
+    if d.remaining() == 0 {
+        return Ok(Vec::new());
+    }
+    let count = d.u32()? as usize;
+    if count > d.remaining() / 8 {
+        return Err(Error::Malformed(
+            "shard read reply: chunk crc list is short".into(),
+        ));
+    }
+    let mut v = Vec::with_capacity(count);
+    for _ in 0..count {
+        v.push((d.u32()?, d.u32()?));
+    }
+    let total: u64 = v.iter().map(|&(len, _)| u64::from(len)).sum();
+    if total != n as u64 {
+        v.clear();
+    }
+    Ok(v)
 }
 
 fn parse_state(p: &[u8]) -> Result<ShardState> {
@@ -1487,4 +1582,80 @@ fn encode_full(ctx: &Ctx, data: &[u8]) -> Vec<Vec<u8>> {
         v.truncate(ctx.clip(slot, data.len() as u64) as usize);
     }
     shards
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use messenger::checksum::crc32c;
+    use proptest::prelude::*;
+
+    /// A member's reply of `n` bytes in chunks of `chunk` (the last one short), as parsed,
+    /// clipped to `clip` bytes of meaning, asked for `len`.
+    fn fetched(n: usize, chunk: usize, clip: usize, len: usize) -> (Fetched, Vec<u8>) {
+        let bytes: Vec<u8> = (0..n).map(|i| (i * 7 + i / 251) as u8).collect();
+        let mut list = Vec::new();
+        list.extend_from_slice(&(n.div_ceil(chunk) as u32).to_le_bytes());
+        for c in bytes.chunks(chunk) {
+            list.extend_from_slice(&(c.len() as u32).to_le_bytes());
+            list.extend_from_slice(&crc32c(c).to_le_bytes());
+        }
+        let crcs = parse_chunk_crcs(&mut Dec::new(&list), n).unwrap();
+        assert_eq!(crcs.len(), n.div_ceil(chunk));
+        let f = Fetched {
+            data: Payload::from_vec(bytes[..n.min(clip)].to_vec()),
+            len,
+            crcs,
+        };
+        (f, bytes)
+    }
+
+    proptest! {
+        /// Whatever extent the primary asks about, a CRC it is given is that of exactly the
+        /// bytes `append_to` produces (zero padding included); extents of whole chunks get one.
+        #[test]
+        fn an_extent_crc_is_the_crc_of_its_bytes(
+            chunks in 1usize..6, tail in 1usize..=256, clip in 0usize..2000,
+            // Mostly on chunk boundaries, where the CRC is known.
+            at in prop_oneof![(0usize..7).prop_map(|c| c * 256), 0usize..1800],
+            end in prop_oneof![(0usize..7).prop_map(|c| c * 256), 0usize..1800],
+        ) {
+            let chunk = 256;
+            let total = (chunks - 1) * chunk + tail;
+            let len = total + 500;
+            let (f, _) = fetched(total, chunk, clip, len);
+            let (at, end) = (at.min(end).min(len), end.max(at).min(len));
+            let n = end - at;
+            let mut out = Vec::new();
+            f.append_to(at, n, &mut out);
+            if let Some(crc) = f.crc_of(at, n) {
+                prop_assert_eq!(crc, crc32c(&out), "at {} n {}", at, n);
+            }
+            let have = total.min(clip);
+            let cut = |x: usize| x < have && x % chunk != 0;
+            if !cut(at) && !cut(at + n) && (have == total || have % chunk == 0) {
+                prop_assert!(f.crc_of(at, n).is_some(), "at {} n {}: whole chunks", at, n);
+            }
+        }
+    }
+
+    #[test]
+    fn a_chunk_crc_list_that_does_not_tile_the_bytes_is_ignored() {
+        let mut list = 2u32.to_le_bytes().to_vec();
+        for _ in 0..2 {
+            list.extend_from_slice(&100u32.to_le_bytes());
+            list.extend_from_slice(&0u32.to_le_bytes());
+        }
+        assert_eq!(
+            parse_chunk_crcs(&mut Dec::new(&list), 200).unwrap().len(),
+            2
+        );
+        assert!(parse_chunk_crcs(&mut Dec::new(&list), 201)
+            .unwrap()
+            .is_empty());
+        assert!(parse_chunk_crcs(&mut Dec::new(&[]), 200)
+            .unwrap()
+            .is_empty());
+        assert!(parse_chunk_crcs(&mut Dec::new(&list[..12]), 200).is_err());
+    }
 }

@@ -535,7 +535,7 @@ impl Node {
                 let data = self
                     .local
                     .read(pool, pg, name, shard, version, off, len, false)?;
-                return Ok(super::local::read_reply(e, data));
+                return Ok(super::local::read_reply(e, data, false));
             }
             t => return Err(Error::Malformed(format!("not a recovery message: {t}"))),
         }
@@ -799,7 +799,7 @@ impl Node {
                 let (pool, pg, name, shard) = (d.u64()?, d.u32()?, d.bytes()?, d.u8()?);
                 let (v, off, len) = (d.u64()?, d.u64()?, d.u64()?);
                 let r = self.local.read(pool, pg, name, shard, v, off, len, false)?;
-                super::local::encode_read(&mut e, &r);
+                super::local::encode_read(&mut e, &r, false);
             }
             wire::MSG_PG_LOG => {
                 let (pool, pg) = (d.u64()?, d.u32()?);

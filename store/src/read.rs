@@ -77,6 +77,11 @@ pub struct ReadBuf {
     pub parts: Vec<Part>,
     /// Version of the object the bytes belong to.
     pub version: u64,
+    /// (length, CRC-32C) of each chunk the read returned, in order, tiling its bytes; empty
+    /// unless every byte is part of a whole chunk read from the device and verified. A node
+    /// sends them with a shard read, so the primary knows the CRC of each stripe unit it
+    /// reassembles without summing the bytes (docs/format.md, SHARD_READ).
+    pub chunk_crcs: Vec<(u32, u32)>,
 }
 
 impl ReadBuf {
@@ -314,12 +319,14 @@ impl<D: BlockDevice> Shared<D> {
 
     /// Turn read runs into the parts of a result: one part per run (chunks in a run are
     /// logically consecutive), one per hole. Takes the run buffers out of `bufs`.
+    #[allow(clippy::too_many_arguments)]
     fn assemble(
         &self,
         m: &ObjectMeta,
         offset: u64,
         end: u64,
         first: usize,
+        refs: &[ChunkRef],
         loc: &[(usize, usize)],
         bufs: &mut [Option<DmaBuf>],
     ) -> ReadBuf {
@@ -327,7 +334,9 @@ impl<D: BlockDevice> Shared<D> {
         let mut out = ReadBuf {
             parts: Vec::new(),
             version: m.version,
+            chunk_crcs: Vec::with_capacity(loc.len()),
         };
+        let mut whole = true;
         let mut i = 0;
         while i < loc.len() {
             let c = (first + i) as u64;
@@ -340,9 +349,24 @@ impl<D: BlockDevice> Shared<D> {
             let hi = ((first + j) as u64 * cb).min(end);
             if b == usize::MAX {
                 out.parts.push(Part::Zeros((hi - lo) as usize));
+                whole = false;
             } else {
                 let start = at + (lo - c * cb) as usize;
                 let buf = bufs[b].take().expect("a run buffer backs one part");
+                // The chunk CRCs, when each chunk in the part is covered from its first byte
+                // through its stored length, where the buffer holds it: the part is then
+                // exactly the chunks' verified bytes back to back.
+                for t in i..j {
+                    let ct = (first + t) as u64;
+                    let (clo, chi) = ((ct * cb).max(lo), ((ct + 1) * cb).min(hi));
+                    let (len, sum) = (refs[t].len.get(), refs[t].crc.get());
+                    whole &= clo == ct * cb
+                        && chi - clo == u64::from(len)
+                        && loc[t].1 == start + (clo - lo) as usize;
+                    if whole {
+                        out.chunk_crcs.push((len, sum));
+                    }
+                }
                 out.parts.push(Part::Data {
                     buf,
                     start,
@@ -350,6 +374,9 @@ impl<D: BlockDevice> Shared<D> {
                 });
             }
             i = j;
+        }
+        if !whole {
+            out.chunk_crcs.clear();
         }
         out
     }
@@ -376,7 +403,7 @@ impl<D: BlockDevice> Shared<D> {
                 return Err(self.corrupted("object chunk", r, found));
             }
         }
-        Ok(self.assemble(m, offset, end, first, loc, bufs))
+        Ok(self.assemble(m, offset, end, first, refs, loc, bufs))
     }
 
     /// Read a range of the object `m` (the index entry of `key`) from the device. With
@@ -423,7 +450,7 @@ impl<D: BlockDevice> Shared<D> {
             }
         }
         let mut bufs: Vec<Option<DmaBuf>> = bufs.into_iter().map(Some).collect();
-        Ok(self.assemble(m, offset, end, first, &loc, &mut bufs))
+        Ok(self.assemble(m, offset, end, first, &refs, &loc, &mut bufs))
     }
 
     /// A small read of the object `m` served from the read cache, if every chunk it needs is
@@ -437,6 +464,7 @@ impl<D: BlockDevice> Shared<D> {
         let mut out = ReadBuf {
             parts: Vec::with_capacity(refs.len()),
             version: m.version,
+            chunk_crcs: Vec::new(),
         };
         for (i, r) in refs.iter().enumerate() {
             let ci = (first + i) as u64;
@@ -519,7 +547,7 @@ impl<D: BlockDevice> Shared<D> {
             };
             match verified {
                 Ok(()) => {
-                    let rb = self.assemble(&m, *off, end, first, locs, &mut bufs);
+                    let rb = self.assemble(&m, *off, end, first, refs, locs, &mut bufs);
                     self.stats.reads.inc();
                     self.stats.read_bytes.add(rb.len() as u64);
                     out.push(Ok(rb));

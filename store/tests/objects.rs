@@ -518,3 +518,61 @@ fn big_writes_go_out_in_device_sized_writes() {
     check(&s);
     assert!(s.scrub().corrupt.is_empty());
 }
+
+/// A read made of whole chunks lists each chunk's CRC (a node sends them with a shard read,
+/// and both it and the primary combine them into frame CRCs instead of summing the bytes
+/// again). The CRCs tile the read, each that of exactly its bytes; a read that starts or ends
+/// inside a chunk lists none.
+#[test]
+fn whole_chunk_reads_list_the_crc_of_each_chunk() {
+    let dev = sim(128, 92);
+    let opts = nvstore_store::MkfsOptions {
+        segment_bytes: 8 << 20,
+        ..mkfs_opts()
+    };
+    nvstore_store::mkfs(&dev, &opts).unwrap();
+    let (s, _) = Store::open(dev, Some(FSID), StoreConfig::default()).unwrap();
+    let cb = 64 << 10;
+    let big = data(93, 3 * (1 << 20) + 5_000);
+    s.write_full(&key("o"), &big).unwrap();
+    let small = data(94, 3_000);
+    s.write_full(&key("s"), &small).unwrap();
+    let check = |name: &str, off: u64, len: u64, whole: bool| {
+        let src = if name == "o" { &big } else { &small };
+        let r = s.read_uncached(&key(name), off, len).unwrap();
+        let mut got = Vec::new();
+        r.append_to(&mut got);
+        let end = off.saturating_add(len).min(src.len() as u64) as usize;
+        assert!(got == src[off as usize..end], "{name} {off}+{len}: bytes");
+        let mut c = 0;
+        for &(n, sum) in &r.chunk_crcs {
+            let chunk = &got[c..c + n as usize];
+            assert_eq!(
+                sum,
+                crc32c::crc32c(chunk),
+                "{name} {off}+{len}: chunk at {c}"
+            );
+            c += n as usize;
+        }
+        if whole {
+            assert_eq!(
+                c,
+                got.len(),
+                "{name} {off}+{len}: the chunk crcs tile the read"
+            );
+            assert!(!r.chunk_crcs.is_empty());
+        } else {
+            assert!(
+                r.chunk_crcs.is_empty(),
+                "{name} {off}+{len}: a cut chunk, no crcs"
+            );
+        }
+    };
+    check("o", 0, u64::MAX, true);
+    check("o", cb, 2 * cb, true);
+    check("o", 3 << 20, u64::MAX, true);
+    check("o", 100, 2 * cb, false);
+    check("o", cb, cb - 1, false);
+    check("s", 0, u64::MAX, true);
+    check("s", 0, 2_999, false);
+}
