@@ -1632,8 +1632,8 @@ mod tests {
                 prop_assert_eq!(crc, crc32c(&out), "at {} n {}", at, n);
             }
             let have = total.min(clip);
-            let cut = |x: usize| x < have && x % chunk != 0;
-            if !cut(at) && !cut(at + n) && (have == total || have % chunk == 0) {
+            let cut = |x: usize| x < have && !x.is_multiple_of(chunk);
+            if !cut(at) && !cut(at + n) && (have == total || have.is_multiple_of(chunk)) {
                 prop_assert!(f.crc_of(at, n).is_some(), "at {} n {}: whole chunks", at, n);
             }
         }
