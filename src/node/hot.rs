@@ -31,10 +31,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use messenger::{Identity, Incoming, SendBuf};
+use messenger::{Identity, Incoming, Payload, SendBuf};
 use serde::{Deserialize, Serialize};
 
-use super::primary::{self, ObjState, PgCache, OP_ATTEMPTS_MAX};
+use super::primary::{self, Extent, ObjState, PgCache, RangeBytes, OP_ATTEMPTS_MAX};
 use super::{Job, Node};
 use crate::error::{Error, Result};
 use crate::ops::{self, ClientOp, ObjStat, OpResult, SubOp};
@@ -365,6 +365,63 @@ unsafe impl messenger::RawBytes for Slice {
     }
 }
 
+/// A range's extents as reply parts, by reference ([`ExtentSlice`]); zeros past a shard's
+/// data as small buffers. The last part holds the reply's `len` bytes in `inflight`.
+fn extent_parts(x: Vec<Extent>, len: usize, inflight: &Arc<Inflight>) -> Vec<SendBuf> {
+    let mut parts = Vec::with_capacity(x.len() + 1);
+    for e in x {
+        if !e.data.is_empty() {
+            parts.push(SendBuf::Raw(Box::new(ExtentSlice {
+                data: e.data,
+                crc: e.crc,
+                account: None,
+            })));
+        }
+        if e.zeros > 0 {
+            parts.push(SendBuf::Vec(vec![0; e.zeros]));
+        }
+    }
+    inflight.add(len as u64);
+    parts.push(SendBuf::Raw(Box::new(ExtentSlice {
+        data: Payload::default(),
+        crc: Some(0),
+        account: Some((inflight.clone(), len as u64)),
+    })));
+    parts
+}
+
+/// A stripe unit of a range in a member's reply, sent without a copy.
+struct ExtentSlice {
+    data: Payload,
+    /// CRC-32C of `data` from the member's chunk CRCs.
+    crc: Option<u32>,
+    /// On the reply's last part: the bytes it counted in the node's unsent replies.
+    account: Option<(Arc<Inflight>, u64)>,
+}
+
+// SAFETY: the bytes are a received payload this part holds a reference to; nobody writes a
+// received payload, so they stay valid and unchanged while the part lives.
+unsafe impl messenger::RawBytes for ExtentSlice {
+    fn raw(&self) -> (*const u8, usize) {
+        (self.data.as_ptr(), self.data.len())
+    }
+
+    fn crc32c_append(&self, crc: u32) -> u32 {
+        match self.crc {
+            Some(own) => messenger::checksum::crc32c_combine(crc, own, self.data.len()),
+            None => messenger::checksum::crc32c_append(crc, &self.data),
+        }
+    }
+}
+
+impl Drop for ExtentSlice {
+    fn drop(&mut self) {
+        if let Some((inflight, n)) = self.account.take() {
+            inflight.sub(n);
+        }
+    }
+}
+
 impl Drop for Slice {
     /// The messenger wrote the reply (or dropped it with its connection).
     fn drop(&mut self) {
@@ -643,6 +700,9 @@ struct Fetch {
     err: Option<(Status, String)>,
     /// CRC-32C of the whole range, once a reply of exactly it computed it.
     crc: Arc<OnceLock<u32>>,
+    /// The range's bytes left in the members' replies, for the one reply that sends them
+    /// (instead of `data`).
+    extents: Option<Vec<Extent>>,
 }
 
 /// Merge ranges that overlap or touch; returns the merged ranges.
@@ -823,6 +883,7 @@ impl Node {
                 ranges.extend(read_ranges(op, &st));
             }
         }
+        let ranges_count = ranges.len();
         let mut fetches: Vec<Fetch> = merge_ranges(ranges)
             .into_iter()
             .map(|(lo, hi)| Fetch {
@@ -832,6 +893,7 @@ impl Node {
                 at: 0,
                 err: None,
                 crc: Arc::default(),
+                extents: None,
             })
             .collect();
         let tag = Tag::of(&st);
@@ -842,6 +904,10 @@ impl Node {
             .unwrap()
             .rate(first.pool, first.name, Instant::now())
             >= HOT_OPS_S_MIN;
+        // One reader of ranges that did not merge, of an object not hot: nothing will share
+        // the bytes, so its reply sends them where the members' replies left them instead of
+        // copying them into one buffer for the cache.
+        let by_ref = !hot && decoded.len() == 1 && fetches.len() == ranges_count;
         let mut fetched = vec![false; fetches.len()];
         for (i, f) in fetches.iter_mut().enumerate() {
             let hit =
@@ -857,14 +923,20 @@ impl Node {
             }
             fetched[i] = true;
             self.counters_fetch(1);
-            match self.read_range_crc(&ctx, first.name, &st, f.lo, f.hi - f.lo) {
+            match self.read_range_as(&ctx, first.name, &st, f.lo, f.hi - f.lo, by_ref) {
                 Ok((d, crc)) => {
                     // Known from the members' chunk CRCs: no reply sums these bytes.
                     if let Some(crc) = crc {
                         let _ = f.crc.set(crc);
                         self.hot.counters.crc_known_fetches.fetch_add(1, Relaxed);
                     }
-                    let d = Arc::new(d);
+                    let d = match d {
+                        RangeBytes::Assembled(d) => Arc::new(d),
+                        RangeBytes::Extents(x) => {
+                            f.extents = Some(x);
+                            continue;
+                        }
+                    };
                     if hot || decoded.len() > 1 {
                         self.hot.cache.lock().unwrap().insert(
                             first.pool,
@@ -922,7 +994,7 @@ impl Node {
                     }
                 }
             }
-            out.push(self.encode_reads(ctx.map.epoch, op, &st, &fetches));
+            out.push(self.encode_reads(ctx.map.epoch, op, &st, &mut fetches));
         }
         Ok(out)
     }
@@ -933,7 +1005,7 @@ impl Node {
         epoch: u64,
         op: &ClientOp,
         st: &ObjState,
-        fetches: &[Fetch],
+        fetches: &mut [Fetch],
     ) -> Result<Vec<SendBuf>> {
         let mut e = Enc::new(epoch);
         e.u16(Status::Ok as u16);
@@ -944,35 +1016,45 @@ impl Node {
             match o {
                 SubOp::Read { offset, len } => {
                     let (lo, hi) = clamp(*offset, *len, st.size);
-                    let mut slice = None;
+                    let mut data = Vec::new();
                     if hi > lo {
                         let f = fetches
-                            .iter()
+                            .iter_mut()
                             .find(|f| f.lo <= lo && hi <= f.hi)
                             .expect("merged ranges cover every read");
                         if let Some((s, m)) = &f.err {
                             return Err(Error::remote(*s, m.clone()));
                         }
+                        if let Some(x) = f.extents.take() {
+                            debug_assert_eq!((lo, hi), (f.lo, f.hi), "one reader, unmerged");
+                            data = extent_parts(x, (hi - lo) as usize, &self.hot.inflight);
+                        }
+                    }
+                    if hi > lo && data.is_empty() {
+                        let f = fetches
+                            .iter()
+                            .find(|f| f.lo <= lo && hi <= f.hi)
+                            .expect("merged ranges cover every read");
                         let d = f.data.clone().expect("fetched or failed");
                         let crc = if (lo, hi) == (f.lo, f.hi) {
                             f.crc.clone()
                         } else {
                             Arc::default()
                         };
-                        slice = Some(Slice::new(
+                        data.push(SendBuf::Raw(Box::new(Slice::new(
                             d,
                             f.at + (lo - f.lo) as usize,
                             (hi - lo) as usize,
                             crc,
                             &self.hot.inflight,
-                        ));
+                        ))));
                     }
                     let len = (hi - lo) as usize;
                     self.counters.read_bytes.fetch_add(len as u64, Relaxed);
                     e.u8(5).u32(len as u32);
-                    if let Some(s) = slice {
+                    if !data.is_empty() {
                         parts.push(SendBuf::Vec(std::mem::take(&mut e.0)));
-                        parts.push(SendBuf::Raw(Box::new(s)));
+                        parts.append(&mut data);
                     }
                 }
                 SubOp::Stat => ops::encode_result(

@@ -681,28 +681,34 @@ impl Node {
         offset: u64,
         len: u64,
     ) -> Result<Vec<u8>> {
-        Ok(self.read_range_crc(ctx, name, st, offset, len)?.0)
+        match self.read_range_as(ctx, name, st, offset, len, false)?.0 {
+            RangeBytes::Assembled(v) => Ok(v),
+            RangeBytes::Extents(_) => unreachable!("assembled when asked to"),
+        }
     }
 
-    /// [`Node::read_range`], and the bytes' CRC-32C when the members' chunk CRCs give it
-    /// without summing them (every stripe unit read whole from a member's device).
-    pub(super) fn read_range_crc(
+    /// [`Node::read_range`], assembled in one buffer or (`by_ref`) left in the members'
+    /// replies as extents in object order; and the bytes' CRC-32C when the members' chunk
+    /// CRCs give it without summing them (every stripe unit read whole from a member's
+    /// device).
+    pub(super) fn read_range_as(
         &self,
         ctx: &Ctx,
         name: &[u8],
         st: &ObjState,
         offset: u64,
         len: u64,
-    ) -> Result<(Vec<u8>, Option<u32>)> {
+        by_ref: bool,
+    ) -> Result<(RangeBytes, Option<u32>)> {
         if offset >= st.size || len == 0 {
-            return Ok((Vec::new(), Some(0)));
+            return Ok((RangeBytes::Assembled(Vec::new()), Some(0)));
         }
         // A shard that fails to answer is read around (degraded), as long as k others can.
         // A corrupt one is also repaired after the op (`repair::note_corrupt`).
         let mut excluded = 0u64;
         let mut corrupt = 0u64;
         loop {
-            let r = self.read_range_without(ctx, name, st, offset, len, excluded);
+            let r = self.read_range_without(ctx, name, st, offset, len, excluded, by_ref);
             if let Err(Error::FetchFailed(slot, e)) = &r {
                 if e.status() == Status::Corrupted {
                     corrupt |= bit(*slot);
@@ -751,7 +757,8 @@ impl Node {
         offset: u64,
         len: u64,
         excluded: u64,
-    ) -> Result<(Vec<u8>, Option<u32>)> {
+        by_ref: bool,
+    ) -> Result<(RangeBytes, Option<u32>)> {
         let len = len.min(st.size - offset);
         let k = ctx.k();
         let mut ranges: BTreeMap<usize, (u64, u64)> = BTreeMap::new();
@@ -825,8 +832,21 @@ impl Node {
                 .collect()
         };
         // Extents come in object order and tile the range: append, no zeroing pass first.
-        let mut out = Vec::with_capacity(len as usize);
         let mut crc = Some(0);
+        if by_ref {
+            let mut out = Vec::with_capacity(ctx.profile.extents(offset, len).count());
+            for e in ctx.profile.extents(offset, len) {
+                let (base, buf) = &bufs[&e.shard];
+                let x = buf.extent((e.shard_offset - base) as usize, e.len);
+                crc = crc.and_then(|a| {
+                    let a = crc32c_combine(a, x.crc?, x.data.len());
+                    Some(crc32c_combine(a, zeros_crc(x.zeros), x.zeros))
+                });
+                out.push(x);
+            }
+            return Ok((RangeBytes::Extents(out), crc));
+        }
+        let mut out = Vec::with_capacity(len as usize);
         for e in ctx.profile.extents(offset, len) {
             let (base, buf) = &bufs[&e.shard];
             let at = (e.shard_offset - base) as usize;
@@ -835,7 +855,7 @@ impl Node {
             crc = crc.and_then(|a| Some(crc32c_combine(a, buf.crc_of(at, e.len)?, e.len)));
         }
         debug_assert_eq!(out.len() as u64, len);
-        Ok((out, crc))
+        Ok((RangeBytes::Assembled(out), crc))
     }
 
     // ---- write ----------------------------------------------------------------------------
@@ -1334,6 +1354,24 @@ impl Node {
 
 /// A shard range as read: the bytes the member returned (clipped to the shard's meaningful
 /// length; a view of the reply, not a copy) and the logical length, zeros past the bytes.
+/// The bytes of an object range ([`Node::read_range_as`]).
+pub(super) enum RangeBytes {
+    /// Copied into one buffer.
+    Assembled(Vec<u8>),
+    /// Where the members' replies left them: one extent per stripe unit, in object order.
+    Extents(Vec<Extent>),
+}
+
+/// One stripe unit's bytes of a range, by reference into a member's reply.
+pub(super) struct Extent {
+    /// The shard's meaningful bytes of it.
+    pub data: Payload,
+    /// Zeros after them (past the end of the shard's data).
+    pub zeros: usize,
+    /// CRC-32C of `data`, from the member's chunk CRCs.
+    pub crc: Option<u32>,
+}
+
 pub(super) struct Fetched {
     data: Payload,
     len: usize,
@@ -1379,6 +1417,17 @@ impl Fetched {
             return None;
         }
         Some(crc32c_combine(crc, zeros_crc(at + n - have), at + n - have))
+    }
+
+    /// Bytes `[at, at + n)` as [`Fetched::append_to`] gives them, by reference.
+    fn extent(&self, at: usize, n: usize) -> Extent {
+        debug_assert!(at + n <= self.len);
+        let have = self.data.len().saturating_sub(at).min(n);
+        Extent {
+            data: self.data.slice(at.min(self.data.len()), have),
+            zeros: n - have,
+            crc: self.crc_of(at, have),
+        }
     }
 
     /// Bytes `[at, at + out.len())` into `out`.
