@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use driver::{BlockDevice, Completion, DmaBuf, QueueHandle, Request};
+use smallvec::SmallVec;
 
 use crate::cache::{
     Cached, ReadCache, ADMIT_CHUNK_BYTES, ADMIT_READ_BYTES, ADMIT_SMALL_BYTES, ADMIT_WASTE_FACTOR,
@@ -74,14 +75,15 @@ impl Part {
 /// The bytes of a read, in order, left where the device put them.
 #[derive(Debug, Default)]
 pub struct ReadBuf {
-    pub parts: Vec<Part>,
+    /// Inline for the common one-part read: a small read allocates no vector.
+    pub parts: SmallVec<[Part; 1]>,
     /// Version of the object the bytes belong to.
     pub version: u64,
     /// (length, CRC-32C) of each chunk the read returned, in order, tiling its bytes; empty
     /// unless every byte is part of a whole chunk read from the device and verified. A node
     /// sends them with a shard read, so the primary knows the CRC of each stripe unit it
     /// reassembles without summing the bytes (docs/format.md, SHARD_READ).
-    pub chunk_crcs: Vec<(u32, u32)>,
+    pub chunk_crcs: SmallVec<[(u32, u32); 2]>,
 }
 
 impl ReadBuf {
@@ -184,11 +186,22 @@ impl<D: BlockDevice> Shared<D> {
 
     /// Group refs into IO runs: (disk offset, bytes) per run, and per ref (run, offset in it).
     pub(crate) fn plan_runs(&self, refs: &[ChunkRef]) -> RunPlan {
+        let (mut runs, mut loc) = (Vec::new(), Vec::with_capacity(refs.len()));
+        self.plan_runs_into(refs, &mut runs, &mut loc);
+        (runs, loc)
+    }
+
+    /// [`Shared::plan_runs`] into vectors the caller keeps (cleared first).
+    pub(crate) fn plan_runs_into(
+        &self,
+        refs: &[ChunkRef],
+        runs: &mut Vec<(u64, u64)>,
+        loc: &mut Vec<(usize, usize)>,
+    ) {
         let block = self.layout.block;
         let max = self.dev.geometry().max_transfer_bytes as u64;
-        // Plan runs: (disk offset, bytes, first ref index).
-        let mut runs: Vec<(u64, u64)> = Vec::new();
-        let mut loc = Vec::with_capacity(refs.len());
+        runs.clear();
+        loc.clear();
         let mut prev_hole = true;
         for r in refs {
             if r.len.get() == 0 {
@@ -211,7 +224,6 @@ impl<D: BlockDevice> Shared<D> {
                 }
             }
         }
-        (runs, loc)
     }
 
     /// Read each (disk offset, bytes) run into its own DMA buffer, all in flight at once up to
@@ -304,17 +316,30 @@ impl<D: BlockDevice> Shared<D> {
         offset: u64,
         len: u64,
     ) -> (Vec<ChunkRef>, usize, u64) {
+        let mut refs = Vec::new();
+        let (first, end) = self.refs_into(m, offset, len, &mut refs);
+        (refs, first, end)
+    }
+
+    /// [`Shared::refs_for`] into a vector the caller keeps (cleared first): the first chunk
+    /// index and the clamped end.
+    pub(crate) fn refs_into(
+        &self,
+        m: &ObjectMeta,
+        offset: u64,
+        len: u64,
+        refs: &mut Vec<ChunkRef>,
+    ) -> (usize, u64) {
         let cb = self.chunk_bytes;
         let end = offset.saturating_add(len).min(m.size);
+        refs.clear();
         if offset >= end {
-            return (Vec::new(), 0, end);
+            return (0, end);
         }
         let first = (offset / cb) as usize;
         let last = ((end - 1) / cb) as usize;
-        let refs = (first..=last)
-            .map(|i| m.chunks.get(i).copied().unwrap_or_default())
-            .collect();
-        (refs, first, end)
+        refs.extend((first..=last).map(|i| m.chunks.get(i).copied().unwrap_or_default()));
+        (first, end)
     }
 
     /// Turn read runs into the parts of a result: one part per run (chunks in a run are
@@ -332,9 +357,9 @@ impl<D: BlockDevice> Shared<D> {
     ) -> ReadBuf {
         let cb = self.chunk_bytes;
         let mut out = ReadBuf {
-            parts: Vec::new(),
+            parts: SmallVec::new(),
             version: m.version,
-            chunk_crcs: Vec::with_capacity(loc.len()),
+            chunk_crcs: SmallVec::with_capacity(loc.len()),
         };
         let mut whole = true;
         let mut i = 0;
@@ -462,9 +487,9 @@ impl<D: BlockDevice> Shared<D> {
         }
         let cb = self.chunk_bytes;
         let mut out = ReadBuf {
-            parts: Vec::with_capacity(refs.len()),
+            parts: SmallVec::with_capacity(refs.len()),
             version: m.version,
-            chunk_crcs: Vec::new(),
+            chunk_crcs: SmallVec::new(),
         };
         for (i, r) in refs.iter().enumerate() {
             let ci = (first + i) as u64;

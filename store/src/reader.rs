@@ -27,14 +27,21 @@ struct Pending {
     offset: u64,
     end: u64,
     first: usize,
-    refs: Vec<ChunkRef>,
-    loc: Vec<(usize, usize)>,
-    runs: Vec<(u64, u64)>,
-    bufs: Vec<Option<DmaBuf>>,
+    v: Plan,
     /// Runs not yet submitted (queue full), and runs still on the device.
     next_run: usize,
     left: usize,
     error: Option<StoreError>,
+}
+
+/// A read's chunk refs, runs and buffers. A reader keeps the vectors of finished reads for
+/// the next ones, so a read allocates none.
+#[derive(Default)]
+struct Plan {
+    refs: Vec<ChunkRef>,
+    loc: Vec<(usize, usize)>,
+    runs: Vec<(u64, u64)>,
+    bufs: Vec<Option<DmaBuf>>,
 }
 
 /// Reads in flight from one thread. Create one per thread with [`Store::reader`].
@@ -46,6 +53,8 @@ pub struct Reader<D: BlockDevice> {
     /// Slots with runs not yet submitted, oldest first.
     waiting: std::collections::VecDeque<usize>,
     comps: Vec<Completion>,
+    /// Vectors of finished reads, for the next.
+    spare: Vec<Plan>,
 }
 
 impl<D: BlockDevice + 'static> Store<D> {
@@ -58,6 +67,7 @@ impl<D: BlockDevice + 'static> Store<D> {
             free: Vec::new(),
             waiting: std::collections::VecDeque::new(),
             comps: (0..32).map(|_| Completion::default()).collect(),
+            spare: Vec::new(),
         })
     }
 }
@@ -72,14 +82,20 @@ impl<D: BlockDevice> Reader<D> {
     /// comes back from `poll` with `tag`. A missing object is reported here.
     pub fn submit(&mut self, key: &ObjectKey, offset: u64, len: u64, tag: u64) -> Result<()> {
         let meta = self.sh.lookup(key)?;
-        let (refs, first, end) = self.sh.refs_for(&meta, offset, len);
-        let (runs, loc) = self.sh.plan_runs(&refs);
-        assert!(runs.len() < 1 << RUN_BITS, "a read of more than 65535 runs");
+        let mut v = self.spare.pop().unwrap_or_default();
+        let (first, end) = self.sh.refs_into(&meta, offset, len, &mut v.refs);
+        self.sh.plan_runs_into(&v.refs, &mut v.runs, &mut v.loc);
+        assert!(
+            v.runs.len() < 1 << RUN_BITS,
+            "a read of more than 65535 runs"
+        );
+        v.bufs.clear();
+        v.bufs.resize_with(v.runs.len(), || None);
         let slot = self.free.pop().unwrap_or_else(|| {
             self.slots.push(None);
             self.slots.len() - 1
         });
-        let n = runs.len();
+        let n = v.runs.len();
         self.slots[slot] = Some(Pending {
             tag,
             key: key.clone(),
@@ -87,10 +103,7 @@ impl<D: BlockDevice> Reader<D> {
             offset,
             end,
             first,
-            refs,
-            loc,
-            bufs: (0..n).map(|_| None).collect(),
-            runs,
+            v,
             next_run: 0,
             left: n,
             error: None,
@@ -104,11 +117,11 @@ impl<D: BlockDevice> Reader<D> {
         let block = self.sh.layout.block;
         while let Some(&slot) = self.waiting.front() {
             let p = self.slots[slot].as_mut().expect("waiting slot");
-            while p.next_run < p.runs.len() {
+            while p.next_run < p.v.runs.len() {
                 if self.q.in_flight() >= self.q.depth() {
                     return Ok(());
                 }
-                let (off, len) = p.runs[p.next_run];
+                let (off, len) = p.v.runs[p.next_run];
                 let buf = self.sh.dev.alloc_read_buf(len as usize)?;
                 let tag = (slot as u64) << RUN_BITS | p.next_run as u64;
                 let req = Request::read(off / block, (len / block) as u32, buf, 0, tag);
@@ -136,7 +149,10 @@ impl<D: BlockDevice> Reader<D> {
         let before = out.len();
         // Reads of empty ranges (no runs) finish at once.
         for slot in 0..self.slots.len() {
-            if self.slots[slot].as_ref().is_some_and(|p| p.runs.is_empty()) {
+            if self.slots[slot]
+                .as_ref()
+                .is_some_and(|p| p.v.runs.is_empty())
+            {
                 self.finish(slot, out);
             }
         }
@@ -154,7 +170,7 @@ impl<D: BlockDevice> Reader<D> {
                 .as_mut()
                 .expect("completion for a live read");
             match c.result {
-                Ok(()) => p.bufs[run] = c.buf,
+                Ok(()) => p.v.bufs[run] = c.buf,
                 Err(e) => {
                     p.error.get_or_insert(e.into());
                 }
@@ -178,11 +194,14 @@ impl<D: BlockDevice> Reader<D> {
                 p.offset,
                 p.end,
                 p.first,
-                &p.refs,
-                &p.loc,
-                &mut p.bufs,
+                &p.v.refs,
+                &p.v.loc,
+                &mut p.v.bufs,
             ),
         };
+        // The buffers went into the result (or are dropped here, on an error).
+        p.v.bufs.clear();
+        self.spare.push(p.v);
         let result = match result {
             // The cleaner moved the object while we read it: read it again (synchronously).
             Err(StoreError::Corrupted { .. }) if self.sh.moved(&p.key, &p.meta) => self
