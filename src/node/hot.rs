@@ -307,7 +307,7 @@ pub struct RecordCounts {
 /// combine (a GF(2) matrix squaring per bit of the length: 10–17 µs, a 40× loss on a 4 KiB
 /// reply); `checksum::crc32c_combine` now takes ~0.07 µs against 0.65 µs to sum 4 KiB, so
 /// smaller replies could share too. A range whose crc came with its shard reads
-/// ([`Node::read_range_crc`]) is never summed, whatever its length.
+/// ([`Node::read_range_as`]) is never summed, whatever its length.
 const CRC_SHARE_BYTES_MIN: usize = 1 << 20;
 
 /// A view into a shared buffer, sent without a copy. Views of the same range share one

@@ -16,6 +16,8 @@ static ALLOCS: AtomicU64 = AtomicU64::new(0);
 
 // SAFETY: forwards to the system allocator unchanged; only counts calls.
 unsafe impl GlobalAlloc for Counting {
+    // SAFETY (the three methods): each has `GlobalAlloc`'s contract, which the caller keeps
+    // and the body passes on to `System` unchanged.
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         ALLOCS.fetch_add(1, Relaxed);
         // SAFETY: the caller upholds `alloc`'s contract, which we pass on.

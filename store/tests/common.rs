@@ -26,8 +26,17 @@ pub fn mkfs_opts() -> MkfsOptions {
 }
 
 pub fn fresh(capacity_mb: u64, seed: u64) -> (SimDevice, Store<SimDevice>) {
+    fresh_with(capacity_mb, seed, &mkfs_opts())
+}
+
+/// [`fresh`] with other mkfs options (segment size, say).
+pub fn fresh_with(
+    capacity_mb: u64,
+    seed: u64,
+    opts: &MkfsOptions,
+) -> (SimDevice, Store<SimDevice>) {
     let dev = sim(capacity_mb, seed);
-    mkfs(&dev, &mkfs_opts()).unwrap();
+    mkfs(&dev, opts).unwrap();
     let (store, _) = Store::open(dev.clone(), Some(FSID), StoreConfig::default()).unwrap();
     (dev, store)
 }

@@ -467,13 +467,11 @@ fn list_never_skips_an_object_being_overwritten() {
 /// the middle and an append all read back exact, before and after a reopen.
 #[test]
 fn big_writes_go_out_in_device_sized_writes() {
-    let dev = sim(128, 90);
     let opts = nvstore_store::MkfsOptions {
         segment_bytes: 8 << 20,
         ..mkfs_opts()
     };
-    nvstore_store::mkfs(&dev, &opts).unwrap();
-    let (s, _) = Store::open(dev.clone(), Some(FSID), StoreConfig::default()).unwrap();
+    let (dev, s) = fresh_with(128, 90, &opts);
     let big = data(90, 4 << 20);
     let before = dev.write_ios();
     s.write_full(&key("big"), &big).unwrap();
@@ -525,13 +523,11 @@ fn big_writes_go_out_in_device_sized_writes() {
 /// inside a chunk lists none.
 #[test]
 fn whole_chunk_reads_list_the_crc_of_each_chunk() {
-    let dev = sim(128, 92);
     let opts = nvstore_store::MkfsOptions {
         segment_bytes: 8 << 20,
         ..mkfs_opts()
     };
-    nvstore_store::mkfs(&dev, &opts).unwrap();
-    let (s, _) = Store::open(dev, Some(FSID), StoreConfig::default()).unwrap();
+    let (_dev, s) = fresh_with(128, 92, &opts);
     let cb = 64 << 10;
     let big = data(93, 3 * (1 << 20) + 5_000);
     s.write_full(&key("o"), &big).unwrap();
