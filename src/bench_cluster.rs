@@ -160,7 +160,8 @@ pub fn bench(
     let stop = Arc::new(AtomicBool::new(false));
     let mut payload = vec![0u8; size as usize];
     rand_chacha::ChaCha8Rng::seed_from_u64(size).fill_bytes(&mut payload);
-    let payload = Arc::new(payload);
+    // Shared, not copied per put, as rados bench writes one bufferlist again and again.
+    let payload: Arc<[u8]> = payload.into();
     let bar = progress.then(|| {
         let b = indicatif::ProgressBar::new(seconds);
         b.set_style(
@@ -195,7 +196,9 @@ pub fn bench(
                         let name = obj_name(size, i);
                         let t = Instant::now();
                         let r = match mode {
-                            Mode::Write => c.put(pool, name.as_bytes(), &payload).map(|_| ()),
+                            Mode::Write => c
+                                .put_shared(pool, name.as_bytes(), payload.clone())
+                                .map(|_| ()),
                             _ => c.read(pool, name.as_bytes(), 0, size).and_then(|d| {
                                 if d.len() as u64 == size {
                                     Ok(())

@@ -258,12 +258,46 @@ impl Client {
                 ops: sub.to_vec(),
             }
             .encode();
-            let reply = c.request(OutMessage::new(wire::MSG_CLIENT_OP, msg), left)?;
-            let (e, body) = wire::parse_reply_epoch(&reply.payload);
-            if e > self.monc.epoch() {
-                let _ = self.monc.subscribe();
+            self.send_op(c, OutMessage::new(wire::MSG_CLIENT_OP, msg), left)
+        })
+    }
+
+    /// Send one encoded client op and decode its results.
+    fn send_op(
+        &self,
+        c: &Connection,
+        msg: OutMessage,
+        left: Duration,
+    ) -> Result<(u64, Vec<OpResult>)> {
+        let reply = c.request(msg, left)?;
+        let (e, body) = wire::parse_reply_epoch(&reply.payload);
+        if e > self.monc.epoch() {
+            let _ = self.monc.subscribe();
+        }
+        ops::decode_results_shared(&reply.payload, body?)
+    }
+
+    /// [`Client::put`] of bytes the caller shares rather than lends: the request refers to
+    /// them instead of copying them into the frame (like a librados write of a bufferlist).
+    /// Objects larger than one message take `put`'s staged path, which copies.
+    pub fn put_shared(&self, pool: u64, name: &[u8], data: Arc<[u8]>) -> Result<u64> {
+        if data.len() > ops::MESSAGE_DATA_BYTES_MAX {
+            return self.put(pool, name, &data);
+        }
+        ops::check_name(name).map_err(|m| Error::remote(Status::Invalid, m))?;
+        self.with_primary(pool, name, |c, epoch, left| {
+            let (head, tail) = ClientOp {
+                epoch,
+                pool,
+                name,
+                flags: 0,
+                upload_id: 0,
+                ops: vec![SubOp::WriteFull(&data)],
             }
-            ops::decode_results_shared(&reply.payload, body?)
+            .encode_head();
+            debug_assert_eq!(tail.len(), data.len());
+            let msg = OutMessage::new(wire::MSG_CLIENT_OP, head).with_part(data.clone());
+            Ok(self.send_op(c, msg, left)?.0)
         })
     }
 

@@ -92,32 +92,51 @@ pub struct ClientOp<'a> {
 
 impl<'a> ClientOp<'a> {
     pub fn encode(&self) -> Vec<u8> {
+        let (mut head, tail) = self.encode_head();
+        head.extend_from_slice(tail);
+        head
+    }
+
+    /// The request as [`ClientOp::encode`] writes it, less the bytes of the last sub-op's data
+    /// (its length is written): `encode` = head ‖ tail. A caller that owns the data in a
+    /// shared buffer sends it as the frame's next part, so a large put is not copied.
+    pub fn encode_head(&self) -> (Vec<u8>, &'a [u8]) {
         let mut e = Enc::new(self.epoch);
         e.u64(self.pool)
             .bytes(self.name)
             .u32(self.flags)
             .u64(self.upload_id)
             .u16(self.ops.len() as u16);
-        for op in &self.ops {
+        let mut tail: &'a [u8] = &[];
+        for (i, op) in self.ops.iter().enumerate() {
             e.u8(op.code());
-            match op {
+            // Length-prefixed bytes; the last sub-op's are left to the caller.
+            let mut bytes = |e: &mut Enc, b: &'a [u8]| {
+                e.u32(b.len() as u32);
+                if i + 1 == self.ops.len() {
+                    tail = b;
+                } else {
+                    e.0.extend_from_slice(b);
+                }
+            };
+            match *op {
                 SubOp::AssertVersion(v) => {
-                    e.u64(*v);
+                    e.u64(v);
                 }
                 SubOp::Read { offset, len } => {
-                    e.u64(*offset).u64(*len);
+                    e.u64(offset).u64(len);
                 }
                 SubOp::GetXattr(n) | SubOp::RmXattr(n) => {
                     e.str(n);
                 }
-                SubOp::WriteFull(d) | SubOp::Append(d) => {
-                    e.bytes(d);
-                }
+                SubOp::WriteFull(d) | SubOp::Append(d) => bytes(&mut e, d),
                 SubOp::Write { offset, data } => {
-                    e.u64(*offset).bytes(data);
+                    e.u64(offset);
+                    bytes(&mut e, data);
                 }
                 SubOp::SetXattr(n, v) => {
-                    e.str(n).bytes(v);
+                    e.str(n);
+                    bytes(&mut e, v);
                 }
                 SubOp::AssertExists
                 | SubOp::AssertAbsent
@@ -126,7 +145,7 @@ impl<'a> ClientOp<'a> {
                 | SubOp::Remove => {}
             }
         }
-        e.finish()
+        (e.finish(), tail)
     }
 
     pub fn decode(b: &'a [u8]) -> Result<ClientOp<'a>> {
@@ -427,5 +446,40 @@ mod tests {
         assert_eq!(joined, e.0, "the zero-copy form is the same bytes");
         assert!(check_name(&[0, 1]).is_err());
         assert!(check_name(&vec![b'a'; 1001]).unwrap_err().contains("1001"));
+    }
+
+    /// The head leaves out exactly the last sub-op's bytes: head ‖ tail is the request.
+    #[test]
+    fn encode_head_leaves_out_only_the_last_data() {
+        let data: Vec<u8> = (0..5000u32).map(|i| (i * 31 % 251) as u8).collect();
+        let lasts = [
+            (SubOp::WriteFull(&data), data.len()),
+            (SubOp::Append(&data[..7]), 7),
+            (
+                SubOp::Write {
+                    offset: 4096,
+                    data: &data[1..],
+                },
+                data.len() - 1,
+            ),
+            (SubOp::SetXattr("user.k", b"value"), 5),
+            (SubOp::Stat, 0),
+            (SubOp::WriteFull(&[]), 0),
+        ];
+        for (last, tail_len) in lasts {
+            let op = ClientOp {
+                epoch: 3,
+                pool: 1,
+                name: b"obj",
+                flags: 0,
+                upload_id: 0,
+                // An earlier data sub-op keeps its bytes in the head.
+                ops: vec![SubOp::Append(b"early"), last],
+            };
+            let (head, tail) = op.encode_head();
+            assert_eq!(tail.len(), tail_len, "{:?}", op.ops[1]);
+            assert_eq!([head.as_slice(), tail].concat(), op.encode());
+            assert_eq!(ClientOp::decode(&op.encode()).unwrap(), op);
+        }
     }
 }

@@ -206,6 +206,12 @@ pub struct ShardWrite<'a> {
 impl<'a> ShardWrite<'a> {
     /// Everything but the data; the data goes as the message's last part (u32 length first).
     pub fn encode_header(&self, epoch: u64) -> Vec<u8> {
+        self.encode_header_len(epoch, self.data.len())
+    }
+
+    /// [`ShardWrite::encode_header`] for `data_len` bytes of data that `self.data` does not
+    /// hold (they go out as several parts).
+    pub fn encode_header_len(&self, epoch: u64, data_len: usize) -> Vec<u8> {
         let mut e = Enc::new(epoch);
         e.u64(self.pool)
             .u32(self.pg)
@@ -216,7 +222,7 @@ impl<'a> ShardWrite<'a> {
         self.meta.encode(&mut e);
         e.u64(self.offset);
         encode_xattr_changes(&mut e, &self.xattrs);
-        e.u32(self.data.len() as u32);
+        e.u32(data_len as u32);
         e.0
     }
 

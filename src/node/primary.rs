@@ -23,6 +23,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use ec::{Codec, Profile, Shard};
 use messenger::checksum::crc32c_combine;
 use messenger::{Incoming, OutMessage, Payload, SendBuf};
+use smallvec::SmallVec;
 
 use super::local::{ShardMeta, ShardState, ShardWrite, WriteKind, BASE_ANY};
 use super::Node;
@@ -153,7 +154,11 @@ impl Node {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            match self.try_op(&op, staged.as_deref(), cache) {
+            let src = Source {
+                staged: staged.as_deref(),
+                request: job.payload(),
+            };
+            match self.try_op(&op, src, cache) {
                 Err(Error::Remote {
                     status: Status::VersionMismatch,
                     message,
@@ -196,12 +201,7 @@ impl Node {
         })
     }
 
-    fn try_op(
-        &self,
-        op: &ClientOp,
-        staged: Option<&[u8]>,
-        cache: &Mutex<PgCache>,
-    ) -> Result<Vec<SendBuf>> {
+    fn try_op(&self, op: &ClientOp, src: Source, cache: &Mutex<PgCache>) -> Result<Vec<SendBuf>> {
         let ctx = self.ctx(op)?;
         let m = check_ops(op)?;
         let mut c = cache.lock().unwrap();
@@ -263,7 +263,7 @@ impl Node {
         } else {
             self.counters.write_ops.fetch_add(1, Relaxed);
             self.hot.invalidate(op.pool, op.name);
-            self.write(&ctx, &mut c, op.name, &st, m, staged)?
+            self.write(&ctx, &mut c, op.name, &st, m, src)?
         };
         let mut e = Enc::new(ctx.map.epoch);
         e.u16(Status::Ok as u16);
@@ -867,8 +867,9 @@ impl Node {
         name: &[u8],
         st: &ObjState,
         m: Mutation<'a>,
-        staged: Option<&'a [u8]>,
+        src: Source<'a>,
     ) -> Result<u64> {
+        let Source { staged, request } = src;
         let mut xattrs = if st.exists() {
             st.xattrs.clone()
         } else {
@@ -966,7 +967,8 @@ impl Node {
             .map(|(k, v)| (k.clone(), Some(v.clone())))
             .collect();
         let n = ctx.n();
-        type Planned = (u64, bool, Vec<(WriteKind, u64)>, Vec<Vec<u8>>, u64);
+        type Planned = (u64, bool, Vec<(WriteKind, u64)>, Vec<ShardBytes>, u64);
+        let owned = |v: Vec<Vec<u8>>| v.into_iter().map(ShardBytes::owned).collect();
         let (new_size, deleted, kinds, shards, targets): Planned = match plan {
             Plan::Full(data, deleted) => {
                 if let Some(SubOp::WriteFull(_)) = m.data {
@@ -977,7 +979,14 @@ impl Node {
                 if data.len() as u64 > ops::OBJECT_BYTES_MAX {
                     return Err(too_large(data.len() as u64));
                 }
-                let shards = encode_full(ctx, &data);
+                // The client's bytes where they lie in its request: data shards are sent
+                // as references to its stripe units, not gathered into new buffers.
+                let shards = match &data {
+                    Cow::Borrowed(d) if within(request, d) => {
+                        encode_full_units(ctx, &request.slice_ref(d))
+                    }
+                    _ => owned(encode_full(ctx, &data)),
+                };
                 self.count_encoded(data.len());
                 (
                     data.len() as u64,
@@ -1001,13 +1010,13 @@ impl Node {
                         (vec![(WriteKind::Range, s_off); n], shards)
                     }
                 };
-                (new_size, false, kinds, shards, up_mask & st.current)
+                (new_size, false, kinds, owned(shards), up_mask & st.current)
             }
             Plan::Meta => (
                 st.size,
                 st.deleted,
                 vec![(WriteKind::Meta, 0); n],
-                vec![Vec::new(); n],
+                owned(vec![Vec::new(); n]),
                 up_mask & st.current,
             ),
         };
@@ -1027,16 +1036,7 @@ impl Node {
         } else {
             m.xattrs.clone()
         };
-        let acked = self.replicate(
-            ctx,
-            name,
-            &kinds,
-            base,
-            meta,
-            &xattr_list,
-            &shards.into_iter().map(Arc::new).collect::<Vec<_>>(),
-            targets,
-        );
+        let acked = self.replicate(ctx, name, &kinds, base, meta, &xattr_list, &shards, targets);
         match &acked {
             Ok(a) if up_mask & !a == 0 => c.last_version = c.last_version.max(version),
             // Some up member (maybe this node) lags an object now: this node's shards no longer
@@ -1203,10 +1203,29 @@ impl Node {
         base: u64,
         meta: ShardMeta,
         xattrs: &[(String, Option<Vec<u8>>)],
-        shards: &[Arc<Vec<u8>>],
+        shards: &[ShardBytes],
         targets: u64,
     ) -> Result<u64> {
         let full = kinds.iter().all(|k| k.0 == WriteKind::Full);
+        // This node's store takes its shard as one slice: join the units of one it holds.
+        let joined: Vec<Option<Vec<u8>>> = shards
+            .iter()
+            .enumerate()
+            .map(|(s, b)| match b {
+                ShardBytes::Units { .. } if ctx.acting.members[s] == Some(self.id) => {
+                    Some(b.to_vec())
+                }
+                _ => None,
+            })
+            .collect();
+        let bytes_of = |s: usize| -> &[u8] {
+            match (&shards[s], &joined[s]) {
+                (ShardBytes::Owned(v), _) => v,
+                (_, Some(j)) => j,
+                // Sent as parts (the header gets the length from `ShardBytes::len`).
+                (ShardBytes::Units { .. }, None) => &[],
+            }
+        };
         let deadline = Instant::now() + Duration::from_millis(self.cfg.write_wait_ms);
         let min_size = ctx.pool.min_size as usize;
         let mut acked = 0u64;
@@ -1264,16 +1283,15 @@ impl Node {
                     meta,
                     offset: kinds[s].1,
                     xattrs: xattrs.to_vec(),
-                    data: &shards[s],
+                    data: bytes_of(s),
                 };
                 let reqs = todo
                     .iter()
                     .map(|&s| {
-                        let head = write(s).encode_header(ctx_map.epoch);
-                        (
-                            s,
-                            vec![SendBuf::Vec(head), SendBuf::Shared(shards[s].clone())],
-                        )
+                        let head = write(s).encode_header_len(ctx_map.epoch, shards[s].len());
+                        let mut parts = vec![SendBuf::Vec(head)];
+                        shards[s].push_parts(&mut parts);
+                        (s, parts)
                     })
                     .collect();
                 let local = |s: usize, _parts: Vec<SendBuf>| -> Result<Payload> {
@@ -1623,6 +1641,129 @@ fn stripes_to_shards(ctx: &Ctx, buf: &[u8], stripes: usize) -> Vec<Vec<u8>> {
     shards
 }
 
+/// Where a client op's data comes from.
+#[derive(Clone, Copy)]
+struct Source<'a> {
+    /// The bytes of an upload's earlier pieces, which go in front of the op's data.
+    staged: Option<&'a [u8]>,
+    /// The request as received: data that lies in it is sent on by reference.
+    request: &'a Payload,
+}
+
+/// One slot's bytes for a shard write.
+#[derive(Clone)]
+pub(super) enum ShardBytes {
+    Owned(Arc<Vec<u8>>),
+    /// A data shard of a whole-object write: its stripe units, in order, as they lie in the
+    /// client's request (`len` bytes in all).
+    Units {
+        units: Vec<Payload>,
+        len: usize,
+    },
+}
+
+impl ShardBytes {
+    fn owned(v: Vec<u8>) -> ShardBytes {
+        ShardBytes::Owned(Arc::new(v))
+    }
+
+    pub(super) fn len(&self) -> usize {
+        match self {
+            ShardBytes::Owned(v) => v.len(),
+            ShardBytes::Units { len, .. } => *len,
+        }
+    }
+
+    /// Append the bytes to a message as parts, without copying them.
+    fn push_parts(&self, parts: &mut Vec<SendBuf>) {
+        match self {
+            ShardBytes::Owned(v) => parts.push(SendBuf::Shared(v.clone())),
+            ShardBytes::Units { units, .. } => {
+                parts.extend(units.iter().map(|u| SendBuf::Payload(u.clone())))
+            }
+        }
+    }
+
+    /// The bytes joined (this node's own shard, for its store).
+    pub(super) fn to_vec(&self) -> Vec<u8> {
+        match self {
+            ShardBytes::Owned(v) => v.to_vec(),
+            ShardBytes::Units { units, len } => {
+                let mut out = Vec::with_capacity(*len);
+                units.iter().for_each(|u| out.extend_from_slice(u));
+                out
+            }
+        }
+    }
+}
+
+/// Whether `sub` lies inside `payload`'s bytes.
+fn within(payload: &Payload, sub: &[u8]) -> bool {
+    let (base, at) = (payload.as_ptr() as usize, sub.as_ptr() as usize);
+    !sub.is_empty() && at >= base && at + sub.len() <= base + payload.len()
+}
+
+/// [`encode_full`] of an object held in a received payload, without copying it: each data
+/// shard is the list of its stripe units in `data` (shard j holds units j, j + k, j + 2k, …,
+/// which never need padding once clipped), and parity is encoded stripe by stripe straight
+/// from the payload. Only a short last stripe is copied, to zero-pad its units.
+fn encode_full_units(ctx: &Ctx, data: &Payload) -> Vec<ShardBytes> {
+    let (k, n, u) = (ctx.k(), ctx.n(), ctx.profile.stripe_unit());
+    let w = k * u;
+    let size = data.len();
+    if size == 0 {
+        return encode_full(ctx, &[])
+            .into_iter()
+            .map(ShardBytes::owned)
+            .collect();
+    }
+    let stripes = size.div_ceil(w);
+    let mut shards: Vec<ShardBytes> = (0..k)
+        .map(|j| {
+            let units: Vec<Payload> = (0..stripes)
+                .map(|s| s * w + j * u)
+                .take_while(|&at| at < size)
+                .map(|at| data.slice(at, u.min(size - at)))
+                .collect();
+            let len = units.iter().map(|p| p.len()).sum();
+            ShardBytes::Units { units, len }
+        })
+        .collect();
+    // Parity: whole stripes straight from the payload, then the short last one padded.
+    let last = size - (stripes - 1) * w;
+    let last_unit = last.clamp(1, u);
+    let len = (stripes - 1) * u + last_unit;
+    let mut parity: Vec<Vec<u8>> = vec![vec![0u8; len]; n - k];
+    let whole = if last == w { stripes } else { stripes - 1 };
+    for s in 0..whole {
+        let mut p: SmallVec<[&mut [u8]; 4]> = parity
+            .iter_mut()
+            .map(|v| &mut v[s * u..(s + 1) * u])
+            .collect();
+        ctx.codec.encode_stripe(&data[s * w..(s + 1) * w], &mut p);
+    }
+    if whole < stripes {
+        let mut stripe = vec![0u8; k * last_unit];
+        for j in 0..k {
+            let at = (whole * w + j * u).min(size);
+            let src = &data[at..(at + last_unit).min(size)];
+            stripe[j * last_unit..j * last_unit + src.len()].copy_from_slice(src);
+        }
+        let mut p: SmallVec<[&mut [u8]; 4]> =
+            parity.iter_mut().map(|v| &mut v[whole * u..]).collect();
+        ctx.codec.encode_stripe(&stripe, &mut p);
+    }
+    for (i, mut v) in parity.into_iter().enumerate() {
+        v.truncate(ctx.clip(k + i, size as u64) as usize);
+        shards.push(ShardBytes::owned(v));
+    }
+    debug_assert!(shards
+        .iter()
+        .enumerate()
+        .all(|(slot, b)| b.len() as u64 == ctx.clip(slot, size as u64)));
+    shards
+}
+
 /// Encode a whole object: every slot's shard, clipped to its meaningful bytes.
 fn encode_full(ctx: &Ctx, data: &[u8]) -> Vec<Vec<u8>> {
     let w = ctx.profile.stripe_width() as usize;
@@ -1659,7 +1800,63 @@ mod tests {
         (f, bytes)
     }
 
+    fn test_ctx(k: u32, m: u32, stripe_unit: u32) -> Ctx {
+        let pool = PoolInfo {
+            id: 1,
+            name: "t".into(),
+            k,
+            m,
+            stripe_unit,
+            pg_num: 1,
+            min_size: k + 1,
+        };
+        let profile = pool.profile();
+        Ctx {
+            map: Arc::new(ClusterMap::default()),
+            acting: Acting {
+                pool: 1,
+                pg: 0,
+                members: vec![None; (k + m) as usize],
+                primary: None,
+                up_count: 0,
+            },
+            pool,
+            pg: 0,
+            codec: Arc::new(Codec::new(profile)),
+            profile,
+        }
+    }
+
     proptest! {
+        /// Shards sent as references to the request's stripe units are the bytes the
+        /// gathering encoder makes: every slot, every size (whole, short and one-byte last
+        /// stripes), several profiles.
+        #[test]
+        fn shards_from_units_match_the_gathered_encode(
+            profile in prop_oneof![Just((6u32, 2u32, 4096u32)), Just((4, 2, 8192)), Just((2, 1, 4096))],
+            size in prop_oneof![0usize..100_000, (1usize..8).prop_map(|s| s * 6 * 4096)],
+            seed in any::<u64>(),
+        ) {
+            let ctx = test_ctx(profile.0, profile.1, profile.2);
+            let mut x = seed | 1;
+            let bytes: Vec<u8> = (0..size).map(|_| { x ^= x << 13; x ^= x >> 7; x ^= x << 17; x as u8 }).collect();
+            let want = encode_full(&ctx, &bytes);
+            // In the middle of a bigger payload, as a sub-op's data lies in a request.
+            let mut req = vec![7u8; 13];
+            req.extend_from_slice(&bytes);
+            req.extend_from_slice(&[9u8; 5]);
+            let req = Payload::from_vec(req);
+            let got = encode_full_units(&ctx, &req.slice(13, size));
+            prop_assert_eq!(got.len(), want.len());
+            for (slot, (g, w)) in got.iter().zip(&want).enumerate() {
+                prop_assert_eq!(g.len(), w.len(), "slot {} length", slot);
+                prop_assert!(&g.to_vec() == w, "slot {} bytes", slot);
+                let mut parts = Vec::new();
+                g.push_parts(&mut parts);
+                prop_assert!(&SendBuf::concat(&parts) == w, "slot {} parts", slot);
+            }
+        }
+
         /// Whatever extent the primary asks about, a CRC it is given is that of exactly the
         /// bytes `append_to` produces (zero padding included); extents of whole chunks get one.
         #[test]
