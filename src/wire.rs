@@ -271,6 +271,79 @@ impl<'a> Dec<'a> {
     }
 }
 
+/// The CRC-32C of each `piece`-byte piece of some data (the last piece may be short), sent
+/// with the data so that its receiver need not sum it again: the primary stores a shard's
+/// chunks with them, a member records them as its chunks' CRCs (docs/format.md, "Piece CRC
+/// lists"). A receiver uses a list only after [`PieceCrcs::describes`] the bytes it got.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PieceCrcs {
+    pub piece: u32,
+    pub crcs: Vec<u32>,
+}
+
+impl PieceCrcs {
+    /// Sum `data` in pieces of `piece` bytes.
+    pub fn of(data: &[u8], piece: usize) -> PieceCrcs {
+        PieceCrcs {
+            piece: piece as u32,
+            crcs: data
+                .chunks(piece.max(1))
+                .map(messenger::checksum::crc32c)
+                .collect(),
+        }
+    }
+
+    /// piece u32, count u32, count × crc u32.
+    pub fn encode(&self, e: &mut Enc) {
+        e.u32(self.piece).u32(self.crcs.len() as u32);
+        for c in &self.crcs {
+            e.u32(*c);
+        }
+    }
+
+    pub fn decode(d: &mut Dec) -> Result<PieceCrcs> {
+        let piece = d.u32()?;
+        let n = d.u32()? as usize;
+        if n > d.remaining() / 4 {
+            return Err(Error::Malformed(format!(
+                "a list of {n} piece CRCs in {} bytes",
+                d.remaining()
+            )));
+        }
+        let crcs = (0..n).map(|_| d.u32()).collect::<Result<_>>()?;
+        Ok(PieceCrcs { piece, crcs })
+    }
+
+    /// Whether the list has one CRC per piece of `len` bytes of data.
+    pub fn tiles(&self, len: usize) -> bool {
+        self.piece > 0 && self.crcs.len() == len.div_ceil(self.piece as usize)
+    }
+
+    /// The CRC-32C of all `len` bytes, combined from the pieces' (the list must tile them).
+    pub fn combined(&self, len: usize) -> u32 {
+        let piece = self.piece as usize;
+        self.crcs.iter().enumerate().fold(0, |acc, (i, c)| {
+            let n = piece.min(len - i * piece);
+            messenger::checksum::crc32c_combine(acc, *c, n)
+        })
+    }
+
+    /// Whether the list describes `data`, a slice of a received `payload` whose CRC-32C the
+    /// messenger verified as `payload_crc`: the CRCs of the bytes around `data`, combined with
+    /// the listed ones, must give the payload's. Only the bytes around `data` are summed.
+    pub fn describes(&self, payload: &[u8], payload_crc: u32, data: &[u8]) -> bool {
+        let (base, at) = (payload.as_ptr() as usize, data.as_ptr() as usize);
+        if !self.tiles(data.len()) || at < base || at + data.len() > base + payload.len() {
+            return false;
+        }
+        let (head, tail) = (&payload[..at - base], &payload[at - base + data.len()..]);
+        let crc = messenger::checksum::crc32c(head);
+        let crc = messenger::checksum::crc32c_combine(crc, self.combined(data.len()), data.len());
+        let crc = messenger::checksum::crc32c_append(crc, tail);
+        crc == payload_crc
+    }
+}
+
 /// A reply payload: epoch, status, then either the body (ok) or an error message.
 pub fn reply_ok(epoch: u64, body: &[u8]) -> Vec<u8> {
     let mut e = Enc::new(epoch);

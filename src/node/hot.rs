@@ -1308,6 +1308,7 @@ mod tests {
             name,
             flags: 0,
             upload_id: 0,
+            crcs: None,
             ops,
         }
         .encode()

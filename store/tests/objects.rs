@@ -572,3 +572,51 @@ fn whole_chunk_reads_list_the_crc_of_each_chunk() {
     check("s", 0, u64::MAX, true);
     check("s", 0, 2_999, false);
 }
+
+/// A caller's chunk CRCs are what the store records (its reads list them back and the bytes
+/// verify against them); a list for another chunk size or of the wrong length is ignored and
+/// the store sums the data itself.
+#[test]
+fn write_full_with_the_callers_chunk_crcs() {
+    let (_dev, s) = fresh(128, 95);
+    let cb = 64usize << 10;
+    let sums =
+        |d: &[u8], piece: usize| -> Vec<u32> { d.chunks(piece).map(crc32c::crc32c).collect() };
+    // Big (copied to DMA memory by the caller) and small (packed by the commit thread).
+    for (i, len) in [(1usize << 20) + 5_000, 3_000, cb].into_iter().enumerate() {
+        let d = data(96 + i as u64, len);
+        let right = sums(&d, cb);
+        let other_size = sums(&d, 4096);
+        let short = &right[..right.len() - 1];
+        for (what, piece, list) in [
+            ("right", cb, right.as_slice()),
+            ("another chunk size", 4096, other_size.as_slice()),
+            ("one short", cb, short),
+        ] {
+            let k = key(&format!("c{i}-{what}"));
+            let mut t = Transaction::new();
+            t.write_full_crcs(k.clone(), &d, piece as u64, list);
+            s.commit(t).unwrap();
+            let r = s.read_uncached(&k, 0, u64::MAX).unwrap();
+            let mut got = Vec::new();
+            r.append_to(&mut got);
+            assert!(got == d, "{len} {what}: bytes");
+            let listed: Vec<u32> = r.chunk_crcs.iter().map(|c| c.1).collect();
+            assert_eq!(listed, right, "{len} {what}: recorded crcs");
+        }
+    }
+}
+
+/// The list is really used: a wrong CRC in it reaches the store's debug check.
+#[test]
+#[cfg(debug_assertions)]
+#[should_panic(expected = "caller's chunk crc")]
+fn a_wrong_caller_chunk_crc_is_caught_in_debug_builds() {
+    let (_dev, s) = fresh(64, 99);
+    let d = data(100, 200_000);
+    let mut crcs: Vec<u32> = d.chunks(64 << 10).map(crc32c::crc32c).collect();
+    crcs[1] ^= 1;
+    let mut t = Transaction::new();
+    t.write_full_crcs(key("w"), &d, 64 << 10, &crcs);
+    let _ = s.commit(t);
+}
