@@ -14,9 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use messenger::{
-    Connection, Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret, SendBuf,
-};
+use messenger::{Connection, Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret};
 
 use crate::config::ClientConfig;
 use crate::error::{Error, Result};
@@ -26,7 +24,7 @@ use crate::monitor::raft::MonCommand;
 use crate::monitor::StatusReport;
 use crate::ops::{self, ClientOp, ObjStat, OpResult, ReadData, SubOp};
 use crate::placement::pg_of;
-use crate::wire::{self, Dec, Enc, PieceCrcs, Status};
+use crate::wire::{self, Dec, Enc, Status};
 
 struct ClientDispatcher(OnceLock<Arc<MonClient>>);
 
@@ -257,7 +255,6 @@ impl Client {
                 name,
                 flags,
                 upload_id: upload,
-                crcs: None,
                 ops: sub.to_vec(),
             }
             .encode();
@@ -288,10 +285,6 @@ impl Client {
             return self.put(pool, name, &data);
         }
         ops::check_name(name).map_err(|m| Error::remote(Status::Invalid, m))?;
-        // The frame's CRC is combined from the stripe units' CRCs, which the primary then
-        // uses for the data shards it sends on: the bytes are summed once on this side.
-        let unit = self.map().pools.get(&pool).map(|p| p.stripe_unit as usize);
-        let crcs = unit.map(|u| PieceCrcs::of(&data, u));
         self.with_primary(pool, name, |c, epoch, left| {
             let (head, tail) = ClientOp {
                 epoch,
@@ -299,16 +292,11 @@ impl Client {
                 name,
                 flags: 0,
                 upload_id: 0,
-                crcs: crcs.clone(),
                 ops: vec![SubOp::WriteFull(&data)],
             }
             .encode_head();
             debug_assert_eq!(tail.len(), data.len());
-            let part = match &crcs {
-                Some(l) => SendBuf::Summed(Box::new(data.clone()), l.combined(data.len())),
-                None => data.clone().into(),
-            };
-            let msg = OutMessage::new(wire::MSG_CLIENT_OP, head).with_part(part);
+            let msg = OutMessage::new(wire::MSG_CLIENT_OP, head).with_part(data.clone());
             Ok(self.send_op(c, msg, left)?.0)
         })
     }
@@ -353,7 +341,6 @@ impl Client {
                 name,
                 flags: ops::FLAG_STAGED,
                 upload_id: upload,
-                crcs: None,
                 ops: vec![SubOp::WriteFull(tail)],
             }
             .encode();

@@ -7,7 +7,7 @@
 //! all as one new version. Any failing sub-op fails the whole request and changes nothing.
 
 use crate::error::{Error, Result};
-use crate::wire::{Dec, Enc, PieceCrcs};
+use crate::wire::{Dec, Enc};
 
 /// Longest object name (the store's key limit less room for internal suffixes).
 pub const OBJECT_NAME_BYTES_MAX: usize = 1000;
@@ -23,9 +23,6 @@ pub const XATTR_VALUE_BYTES_MAX: usize = 16 << 10;
 /// Request flag: the data of the request's write is the staged upload `upload_id` followed by
 /// the inline data.
 pub const FLAG_STAGED: u32 = 1;
-/// Request flag: a [`PieceCrcs`] list of the last sub-op's data follows `upload_id`. Set by
-/// `encode` when [`ClientOp::crcs`] is given.
-pub const FLAG_PIECE_CRCS: u32 = 2;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SubOp<'a> {
@@ -91,9 +88,6 @@ pub struct ClientOp<'a> {
     pub flags: u32,
     pub upload_id: u64,
     pub ops: Vec<SubOp<'a>>,
-    /// CRCs of the last sub-op's data in pieces (the pool's stripe unit), so that the primary
-    /// need not sum the data shards it sends on.
-    pub crcs: Option<PieceCrcs>,
 }
 
 impl<'a> ClientOp<'a> {
@@ -108,18 +102,11 @@ impl<'a> ClientOp<'a> {
     /// shared buffer sends it as the frame's next part, so a large put is not copied.
     pub fn encode_head(&self) -> (Vec<u8>, &'a [u8]) {
         let mut e = Enc::new(self.epoch);
-        let flags = match self.crcs {
-            Some(_) => self.flags | FLAG_PIECE_CRCS,
-            None => self.flags & !FLAG_PIECE_CRCS,
-        };
         e.u64(self.pool)
             .bytes(self.name)
-            .u32(flags)
-            .u64(self.upload_id);
-        if let Some(c) = &self.crcs {
-            c.encode(&mut e);
-        }
-        e.u16(self.ops.len() as u16);
+            .u32(self.flags)
+            .u64(self.upload_id)
+            .u16(self.ops.len() as u16);
         let mut tail: &'a [u8] = &[];
         for (i, op) in self.ops.iter().enumerate() {
             e.u8(op.code());
@@ -168,10 +155,6 @@ impl<'a> ClientOp<'a> {
         let name = d.bytes()?;
         let flags = d.u32()?;
         let upload_id = d.u64()?;
-        let crcs = match flags & FLAG_PIECE_CRCS {
-            0 => None,
-            _ => Some(PieceCrcs::decode(&mut d)?),
-        };
         let n = d.u16()? as usize;
         if n > SUB_OPS_MAX {
             return Err(Error::Malformed(format!(
@@ -209,10 +192,9 @@ impl<'a> ClientOp<'a> {
             epoch,
             pool,
             name,
-            flags: flags & !FLAG_PIECE_CRCS,
+            flags,
             upload_id,
             ops,
-            crcs,
         })
     }
 }
@@ -429,10 +411,6 @@ mod tests {
             name: b"obj",
             flags: FLAG_STAGED,
             upload_id: 77,
-            crcs: Some(PieceCrcs {
-                piece: 4096,
-                crcs: vec![1, 2, 3],
-            }),
             ops: vec![
                 SubOp::AssertVersion(5),
                 SubOp::Stat,
@@ -495,7 +473,6 @@ mod tests {
                 name: b"obj",
                 flags: 0,
                 upload_id: 0,
-                crcs: None,
                 // An earlier data sub-op keeps its bytes in the head.
                 ops: vec![SubOp::Append(b"early"), last],
             };

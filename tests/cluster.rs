@@ -387,7 +387,6 @@ fn bad_input_gets_clear_errors_and_the_node_keeps_serving() {
             name,
             flags: 0,
             upload_id: 0,
-            crcs: None,
             ops: vec![SubOp::Stat],
         }
         .encode()

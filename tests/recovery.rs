@@ -337,7 +337,6 @@ fn shard_write_payload(pool: u64, pg: u32, name: &[u8], epoch: u64, data: &[u8])
         offset: 0,
         xattrs: vec![],
         data,
-        crcs: None,
     };
     let mut payload = w.encode_header(epoch);
     payload.extend_from_slice(data);
@@ -568,7 +567,6 @@ fn a_superseded_primary_sends_the_client_on_instead_of_calling_the_object_unavai
         name: b"lagging",
         flags: 0,
         upload_id: 0,
-        crcs: None,
         ops: vec![SubOp::Stat],
     }
     .encode();

@@ -458,7 +458,6 @@ fn zero_parity(h: &Harness, pool: u64, name: &str) -> u64 {
         offset: 0,
         xattrs: vec![],
         data: &zeros,
-        crcs: None,
     };
     let mut payload = write.encode_header(map.epoch);
     payload.extend_from_slice(&zeros);

@@ -17,10 +17,6 @@ pub enum SendBuf {
     Shared(Arc<dyn AsRef<[u8]> + Send + Sync>),
     /// Forward received bytes without copying.
     Payload(Payload),
-    /// Bytes whose CRC-32C the sender already has (it summed them for another purpose): the
-    /// frame's trailer combines the CRC instead of reading the bytes again. It must be right;
-    /// the receiver sums every payload and drops the connection on a mismatch.
-    Summed(Box<dyn AsRef<[u8]> + Send + Sync>, u32),
     /// Bytes sent by address: memory the messenger must not form a Rust reference to (a DMA
     /// buffer a device read into), or whose owner knows its checksum better (a shared reply
     /// buffer whose crc is computed once). The address goes to `writev`; the checksum comes
@@ -47,7 +43,6 @@ impl SendBuf {
             SendBuf::Static(s) => Some(s),
             SendBuf::Shared(a) => Some((**a).as_ref()),
             SendBuf::Payload(p) => Some(p),
-            SendBuf::Summed(b, _) => Some((**b).as_ref()),
             SendBuf::Raw(_) => None,
         }
     }
@@ -72,9 +67,6 @@ impl SendBuf {
     /// CRC-32C of the bytes continued from `crc`.
     pub fn crc32c_append(&self, crc: u32) -> u32 {
         match (self, self.slice()) {
-            (SendBuf::Summed(_, own), Some(s)) => {
-                crate::checksum::crc32c_combine(crc, *own, s.len())
-            }
             (_, Some(s)) => crate::checksum::crc32c_append(crc, s),
             (SendBuf::Raw(r), None) => r.crc32c_append(crc),
             (_, None) => unreachable!("only raw buffers have no slice"),
@@ -245,8 +237,6 @@ pub struct Incoming {
     pub(crate) conn: Connection,
     pub(crate) msg_type: u16,
     pub(crate) payload: Payload,
-    /// CRC-32C of the payload, checked against the frame's trailer.
-    pub(crate) payload_crc: u32,
     pub(crate) responder: Option<Responder>,
     pub(crate) _ticket: Option<Ticket>,
     /// How long the connection waited for throttle capacity before this message was read.
@@ -269,14 +259,6 @@ impl Incoming {
     /// The payload bytes, in a pooled receive buffer (no copy was made).
     pub fn payload(&self) -> &Payload {
         &self.payload
-    }
-
-    /// The payload's CRC-32C, as the frame's trailer carried it and the receiver verified it
-    /// against the bytes. With [`crate::checksum::crc32c_combine`], a handler can check that
-    /// CRCs a sender lists for pieces of the payload describe the bytes received, without
-    /// summing them again.
-    pub fn payload_crc(&self) -> u32 {
-        self.payload_crc
     }
 
     pub fn is_request(&self) -> bool {
@@ -361,26 +343,4 @@ pub trait Dispatcher: Send + Sync + 'static {
 
     /// A connection closed; its pending requests have been failed (runs on the worker thread).
     fn disconnected(&self, _conn: &Connection, _reason: &Error) {}
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::checksum::crc32c;
-
-    /// A part whose CRC the sender knows adds to the trailer exactly what summing its bytes
-    /// would, in any position.
-    #[test]
-    fn a_summed_part_gives_the_trailer_of_its_bytes() {
-        let a: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
-        let b: Vec<u8> = (0..70_001u32).map(|i| (i * 13 + 5) as u8).collect();
-        let b_crc = crc32c(&b);
-        let msg = OutMessage::new(1, a.clone())
-            .with_part(SendBuf::Summed(Box::new(b.clone()), b_crc))
-            .with_part(SendBuf::Static(b"tail"));
-        let frame = OutFrame::build(FrameKind::OneWay, 0, 0, msg, u32::MAX).unwrap();
-        let joined = SendBuf::concat(&frame.parts);
-        assert_eq!(joined, [a.as_slice(), &b, b"tail"].concat());
-        assert_eq!(u32::from_le_bytes(frame.trailer), crc32c(&joined));
-    }
 }

@@ -78,12 +78,6 @@ pub struct NodeStats {
     /// Of those, fetches whose CRC the members' chunk CRCs gave (no summing pass).
     #[serde(default)]
     pub crc_known_fetches: u64,
-    /// Shard writes stored with the sender's chunk CRCs (no summing pass on this node).
-    #[serde(default)]
-    pub crc_listed_writes: u64,
-    /// Client writes whose stripe-unit CRCs described their data (data shards not summed).
-    #[serde(default)]
-    pub crc_unit_writes: u64,
     /// Messenger loop passes, and those that woke to find nothing to do.
     #[serde(default)]
     pub msgr_iterations: u64,

@@ -1308,7 +1308,6 @@ mod tests {
             name,
             flags: 0,
             upload_id: 0,
-            crcs: None,
             ops,
         }
         .encode()

@@ -14,7 +14,7 @@ use driver::{BlockDevice, FileDevice};
 use store::{AsyncCommit, ObjectKey, Part, ReadBuf, Store, StoreError, Transaction};
 
 use crate::error::{Error, Result};
-use crate::wire::{Dec, Enc, PieceCrcs, Status};
+use crate::wire::{Dec, Enc, Status};
 use messenger::SendBuf;
 
 /// Rollback bytes kept inline in the `nv.rb` xattr up to this size.
@@ -201,10 +201,6 @@ pub struct ShardWrite<'a> {
     /// Full: the complete set; Range/Meta: changes (`None` removes).
     pub xattrs: Vec<(String, Option<Vec<u8>>)>,
     pub data: &'a [u8],
-    /// The CRC of each chunk of `data` (a kind-full write), from the sender: stored as the
-    /// chunks' CRCs instead of summing them again. On the wire an optional trailer after the
-    /// data; a receiver keeps it only if it [`PieceCrcs::describes`] the bytes received.
-    pub crcs: Option<PieceCrcs>,
 }
 
 impl<'a> ShardWrite<'a> {
@@ -230,34 +226,7 @@ impl<'a> ShardWrite<'a> {
         e.0
     }
 
-    /// Decode a shard write, dropping any chunk CRC list (nothing checked it).
     pub fn decode(d: &mut Dec<'a>) -> Result<ShardWrite<'a>> {
-        let mut w = Self::decode_listed(d)?;
-        w.crcs = None;
-        Ok(w)
-    }
-
-    /// Decode a shard write received in `payload`, whose CRC the messenger verified as
-    /// `payload_crc`; its chunk CRC list is kept only if it describes the data received.
-    pub fn decode_checked(
-        d: &mut Dec<'a>,
-        payload: &[u8],
-        payload_crc: u32,
-    ) -> Result<ShardWrite<'a>> {
-        let mut w = Self::decode_listed(d)?;
-        if let Some(c) = &w.crcs {
-            if !c.describes(payload, payload_crc, w.data) {
-                tracing::warn!(
-                    "shard write of {:?}: its chunk CRC list does not describe its data; summing it",
-                    String::from_utf8_lossy(w.name)
-                );
-                w.crcs = None;
-            }
-        }
-        Ok(w)
-    }
-
-    fn decode_listed(d: &mut Dec<'a>) -> Result<ShardWrite<'a>> {
         let pool = d.u64()?;
         let pg = d.u32()?;
         let name = d.bytes()?;
@@ -273,10 +242,6 @@ impl<'a> ShardWrite<'a> {
         let offset = d.u64()?;
         let xattrs = decode_xattr_changes(d)?;
         let data = d.bytes()?;
-        let crcs = match d.remaining() {
-            0 => None,
-            _ => Some(PieceCrcs::decode(d)?),
-        };
         d.end()?;
         Ok(ShardWrite {
             pool,
@@ -289,7 +254,6 @@ impl<'a> ShardWrite<'a> {
             offset,
             xattrs,
             data,
-            crcs,
         })
     }
 }
@@ -592,10 +556,7 @@ impl Local {
                 if exists {
                     t.remove(key.clone());
                 }
-                match &w.crcs {
-                    Some(c) => t.write_full_crcs(key.clone(), w.data, c.piece as u64, &c.crcs),
-                    None => t.write_full(key.clone(), w.data),
-                };
+                t.write_full(key.clone(), w.data);
             }
             WriteKind::Range => {
                 t.write(key.clone(), w.offset, w.data);
@@ -1109,7 +1070,6 @@ mod store_tests {
                 .map(|(k, v)| (k.to_string(), Some(v.to_vec())))
                 .collect(),
             data,
-            crcs: None,
         }
     }
 

@@ -101,12 +101,6 @@ pub struct Counters {
     /// Shard ops refused because the node had not registered yet, or its map had not reached
     /// its boot epoch within `EPOCH_WAIT`.
     pub boot_gate_refused: AtomicU64,
-    /// Shard writes received with a chunk CRC list that described their data: the store
-    /// took the CRCs instead of summing the shard.
-    pub crc_listed_writes: AtomicU64,
-    /// Client writes whose stripe-unit CRCs described their data: the data shards sent on
-    /// were not summed.
-    pub crc_unit_writes: AtomicU64,
 }
 
 /// A client op waiting on its PG: the message and its tracking.
@@ -421,10 +415,9 @@ impl Node {
         let Ok(epoch) = d.u64() else {
             return Some((msg, op));
         };
-        let Ok(w) = ShardWrite::decode_checked(&mut d, &payload, msg.payload_crc()) else {
+        let Ok(w) = ShardWrite::decode(&mut d) else {
             return Some((msg, op));
         };
-        let listed = w.crcs.is_some();
         if epoch > self.epoch()
             || boot_gate(self.boot_epoch.load(Acquire), self.epoch()) != BootGate::Pass
             || w.kind != local::WriteKind::Full
@@ -469,12 +462,7 @@ impl Node {
             self.local.apply_async(&w, done)
         };
         match r {
-            Ok(true) => {
-                if listed {
-                    self.counters.crc_listed_writes.fetch_add(1, Relaxed);
-                }
-                None
-            }
+            Ok(true) => None,
             Ok(false) => slot.lock().unwrap().take(),
             Err(e) => {
                 let (mut msg, op) = slot.lock().unwrap().take()?;
@@ -603,12 +591,9 @@ impl Node {
         let epoch = d.u64()?;
         match msg.msg_type() {
             wire::MSG_SHARD_WRITE => {
-                let w = ShardWrite::decode_checked(&mut d, p, msg.payload_crc())?;
+                let w = ShardWrite::decode(&mut d)?;
                 self.check_shard_sender(msg, epoch, w.pool, w.pg)?;
                 self.local.apply(&w)?;
-                if w.crcs.is_some() {
-                    self.counters.crc_listed_writes.fetch_add(1, Relaxed);
-                }
                 Ok(vec![SendBuf::Vec(wire::reply_ok(self.epoch(), &[]))])
             }
             wire::MSG_SHARD_REPAIR => {
@@ -759,8 +744,6 @@ impl Node {
             cache_hits: self.hot.counters.cache_hits.load(Relaxed),
             read_fetches: self.hot.counters.read_fetches.load(Relaxed),
             crc_known_fetches: self.hot.counters.crc_known_fetches.load(Relaxed),
-            crc_listed_writes: self.counters.crc_listed_writes.load(Relaxed),
-            crc_unit_writes: self.counters.crc_unit_writes.load(Relaxed),
             paced_replies: self.hot.counters.paced_replies.load(Relaxed),
             msgr_iterations: msgr.total(|w| w.iterations),
             msgr_empty_iterations: msgr.total(|w| w.empty_iterations),

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ec::{Codec, Profile, Shard};
-use messenger::checksum::{crc32c, crc32c_combine};
+use messenger::checksum::crc32c_combine;
 use messenger::{Incoming, OutMessage, Payload, SendBuf};
 use smallvec::SmallVec;
 
@@ -33,7 +33,7 @@ use crate::ops::{self, ClientOp, ObjStat, OpResult, SubOp};
 use crate::optrack::{self, Ev};
 use crate::placement::{pg_of, Acting};
 use crate::queue::Gather;
-use crate::wire::{self, Dec, Enc, PieceCrcs, Status};
+use crate::wire::{self, Dec, Enc, Status};
 
 /// Timeout of one shard request.
 const SHARD_TIMEOUT: Duration = Duration::from_secs(10);
@@ -157,8 +157,6 @@ impl Node {
             let src = Source {
                 staged: staged.as_deref(),
                 request: job.payload(),
-                request_crc: job.payload_crc(),
-                crcs: op.crcs.as_ref(),
             };
             match self.try_op(&op, src, cache) {
                 Err(Error::Remote {
@@ -871,9 +869,7 @@ impl Node {
         m: Mutation<'a>,
         src: Source<'a>,
     ) -> Result<u64> {
-        let Source {
-            staged, request, ..
-        } = src;
+        let Source { staged, request } = src;
         let mut xattrs = if st.exists() {
             st.xattrs.clone()
         } else {
@@ -987,11 +983,7 @@ impl Node {
                 // as references to its stripe units, not gathered into new buffers.
                 let shards = match &data {
                     Cow::Borrowed(d) if within(request, d) => {
-                        let crcs = src.unit_crcs(d, ctx.profile.stripe_unit());
-                        if crcs.is_some() {
-                            self.counters.crc_unit_writes.fetch_add(1, Relaxed);
-                        }
-                        encode_full_units(ctx, &request.slice_ref(d), crcs)
+                        encode_full_units(ctx, &request.slice_ref(d))
                     }
                     _ => owned(encode_full(ctx, &data)),
                 };
@@ -1219,19 +1211,19 @@ impl Node {
         let joined: Vec<Option<Vec<u8>>> = shards
             .iter()
             .enumerate()
-            .map(|(s, b)| match b.data {
-                ShardData::Units { .. } if ctx.acting.members[s] == Some(self.id) => {
+            .map(|(s, b)| match b {
+                ShardBytes::Units { .. } if ctx.acting.members[s] == Some(self.id) => {
                     Some(b.to_vec())
                 }
                 _ => None,
             })
             .collect();
         let bytes_of = |s: usize| -> &[u8] {
-            match (&shards[s].data, &joined[s]) {
-                (ShardData::Owned(v), _) => v,
+            match (&shards[s], &joined[s]) {
+                (ShardBytes::Owned(v), _) => v,
                 (_, Some(j)) => j,
                 // Sent as parts (the header gets the length from `ShardBytes::len`).
-                (ShardData::Units { .. }, None) => &[],
+                (ShardBytes::Units { .. }, None) => &[],
             }
         };
         let deadline = Instant::now() + Duration::from_millis(self.cfg.write_wait_ms);
@@ -1292,7 +1284,6 @@ impl Node {
                     offset: kinds[s].1,
                     xattrs: xattrs.to_vec(),
                     data: bytes_of(s),
-                    crcs: shards[s].crcs.clone(),
                 };
                 let reqs = todo
                     .iter()
@@ -1657,31 +1648,11 @@ struct Source<'a> {
     staged: Option<&'a [u8]>,
     /// The request as received: data that lies in it is sent on by reference.
     request: &'a Payload,
-    /// The request's CRC, as the messenger verified it.
-    request_crc: u32,
-    /// The client's CRCs of its last sub-op's data, per stripe unit (unverified).
-    crcs: Option<&'a PieceCrcs>,
 }
 
-impl Source<'_> {
-    /// The client's stripe-unit CRCs of `data`, if they describe it: `data` lies in the
-    /// request and the CRCs combine with the rest of the request to the verified frame CRC.
-    fn unit_crcs(&self, data: &[u8], unit: usize) -> Option<&[u32]> {
-        let c = self.crcs.filter(|c| c.piece as usize == unit)?;
-        c.describes(self.request, self.request_crc, data)
-            .then_some(c.crcs.as_slice())
-    }
-}
-
-/// One slot's bytes for a shard write, with the CRC of each stripe unit when known.
+/// One slot's bytes for a shard write.
 #[derive(Clone)]
-pub(super) struct ShardBytes {
-    data: ShardData,
-    crcs: Option<PieceCrcs>,
-}
-
-#[derive(Clone)]
-enum ShardData {
+pub(super) enum ShardBytes {
     Owned(Arc<Vec<u8>>),
     /// A data shard of a whole-object write: its stripe units, in order, as they lie in the
     /// client's request (`len` bytes in all).
@@ -1693,65 +1664,36 @@ enum ShardData {
 
 impl ShardBytes {
     fn owned(v: Vec<u8>) -> ShardBytes {
-        ShardBytes {
-            data: ShardData::Owned(Arc::new(v)),
-            crcs: None,
-        }
+        ShardBytes::Owned(Arc::new(v))
     }
 
     pub(super) fn len(&self) -> usize {
-        match &self.data {
-            ShardData::Owned(v) => v.len(),
-            ShardData::Units { len, .. } => *len,
+        match self {
+            ShardBytes::Owned(v) => v.len(),
+            ShardBytes::Units { len, .. } => *len,
         }
     }
 
-    /// Append the bytes to a message as parts, without copying them. With known CRCs the
-    /// frame's CRC is combined from them, and the list follows the data (the member's store
-    /// takes them as its chunks' CRCs).
+    /// Append the bytes to a message as parts, without copying them.
     fn push_parts(&self, parts: &mut Vec<SendBuf>) {
-        match (&self.data, &self.crcs) {
-            (ShardData::Owned(v), None) => parts.push(SendBuf::Shared(v.clone())),
-            (ShardData::Owned(v), Some(c)) => parts.push(SendBuf::Summed(
-                Box::new(SharedVec(v.clone())),
-                c.combined(v.len()),
-            )),
-            (ShardData::Units { units, .. }, None) => {
+        match self {
+            ShardBytes::Owned(v) => parts.push(SendBuf::Shared(v.clone())),
+            ShardBytes::Units { units, .. } => {
                 parts.extend(units.iter().map(|u| SendBuf::Payload(u.clone())))
             }
-            (ShardData::Units { units, .. }, Some(c)) => parts.extend(
-                units
-                    .iter()
-                    .zip(&c.crcs)
-                    .map(|(u, crc)| SendBuf::Summed(Box::new(u.clone()), *crc)),
-            ),
-        }
-        if let Some(c) = &self.crcs {
-            let mut e = Enc(Vec::with_capacity(8 + 4 * c.crcs.len()));
-            c.encode(&mut e);
-            parts.push(SendBuf::Vec(e.0));
         }
     }
 
     /// The bytes joined (this node's own shard, for its store).
     pub(super) fn to_vec(&self) -> Vec<u8> {
-        match &self.data {
-            ShardData::Owned(v) => v.to_vec(),
-            ShardData::Units { units, len } => {
+        match self {
+            ShardBytes::Owned(v) => v.to_vec(),
+            ShardBytes::Units { units, len } => {
                 let mut out = Vec::with_capacity(*len);
                 units.iter().for_each(|u| out.extend_from_slice(u));
                 out
             }
         }
-    }
-}
-
-/// An `Arc<Vec<u8>>` as bytes (for [`SendBuf::Summed`]).
-struct SharedVec(Arc<Vec<u8>>);
-
-impl AsRef<[u8]> for SharedVec {
-    fn as_ref(&self) -> &[u8] {
-        &self.0
     }
 }
 
@@ -1765,11 +1707,7 @@ fn within(payload: &Payload, sub: &[u8]) -> bool {
 /// shard is the list of its stripe units in `data` (shard j holds units j, j + k, j + 2k, …,
 /// which never need padding once clipped), and parity is encoded stripe by stripe straight
 /// from the payload. Only a short last stripe is copied, to zero-pad its units.
-///
-/// Every shard carries the CRC of each stripe unit: parity's are summed here (in place of
-/// summing the frame later), data shards' come from `unit_crcs` (the client's, checked) or
-/// are summed here. They make the frames' CRCs and the members' chunk CRCs.
-fn encode_full_units(ctx: &Ctx, data: &Payload, unit_crcs: Option<&[u32]>) -> Vec<ShardBytes> {
+fn encode_full_units(ctx: &Ctx, data: &Payload) -> Vec<ShardBytes> {
     let (k, n, u) = (ctx.k(), ctx.n(), ctx.profile.stripe_unit());
     let w = k * u;
     let size = data.len();
@@ -1780,27 +1718,15 @@ fn encode_full_units(ctx: &Ctx, data: &Payload, unit_crcs: Option<&[u32]>) -> Ve
             .collect();
     }
     let stripes = size.div_ceil(w);
-    let unit_crcs = unit_crcs.filter(|c| c.len() == size.div_ceil(u));
     let mut shards: Vec<ShardBytes> = (0..k)
         .map(|j| {
-            let at = |s: usize| s * w + j * u;
-            let present = (0..stripes).take_while(|&s| at(s) < size);
-            let units: Vec<Payload> = present
-                .clone()
-                .map(|s| data.slice(at(s), u.min(size - at(s))))
+            let units: Vec<Payload> = (0..stripes)
+                .map(|s| s * w + j * u)
+                .take_while(|&at| at < size)
+                .map(|at| data.slice(at, u.min(size - at)))
                 .collect();
-            let crcs = match unit_crcs {
-                Some(c) => present.map(|s| c[s * k + j]).collect(),
-                None => units.iter().map(|p| crc32c(p)).collect(),
-            };
             let len = units.iter().map(|p| p.len()).sum();
-            ShardBytes {
-                data: ShardData::Units { units, len },
-                crcs: Some(PieceCrcs {
-                    piece: u as u32,
-                    crcs,
-                }),
-            }
+            ShardBytes::Units { units, len }
         })
         .collect();
     // Parity: whole stripes straight from the payload, then the short last one padded.
@@ -1829,11 +1755,7 @@ fn encode_full_units(ctx: &Ctx, data: &Payload, unit_crcs: Option<&[u32]>) -> Ve
     }
     for (i, mut v) in parity.into_iter().enumerate() {
         v.truncate(ctx.clip(k + i, size as u64) as usize);
-        let crcs = PieceCrcs::of(&v, u);
-        shards.push(ShardBytes {
-            data: ShardData::Owned(Arc::new(v)),
-            crcs: Some(crcs),
-        });
+        shards.push(ShardBytes::owned(v));
     }
     debug_assert!(shards
         .iter()
@@ -1924,58 +1846,15 @@ mod tests {
             req.extend_from_slice(&bytes);
             req.extend_from_slice(&[9u8; 5]);
             let req = Payload::from_vec(req);
-            let unit = profile.2 as usize;
-            let client = PieceCrcs::of(&bytes, unit);
-            for given in [None, Some(client.crcs.as_slice())] {
-                let got = encode_full_units(&ctx, &req.slice(13, size), given);
-                prop_assert_eq!(got.len(), want.len());
-                for (slot, (g, w)) in got.iter().zip(&want).enumerate() {
-                    prop_assert_eq!(g.len(), w.len(), "slot {} length", slot);
-                    prop_assert!(&g.to_vec() == w, "slot {} bytes", slot);
-                    // Unit CRCs, when listed, are those of the shard's bytes.
-                    if let Some(c) = &g.crcs {
-                        prop_assert_eq!(c, &PieceCrcs::of(w, unit), "slot {} crcs", slot);
-                    }
-                    // As sent: the data, then the list; the frame CRC combined from them.
-                    let mut parts = Vec::new();
-                    g.push_parts(&mut parts);
-                    let sent = SendBuf::concat(&parts);
-                    prop_assert!(sent[..w.len()] == w[..], "slot {} parts", slot);
-                    let crc = parts.iter().fold(0, |c, p| p.crc32c_append(c));
-                    prop_assert_eq!(crc, crc32c(&sent), "slot {} frame crc", slot);
-                    let mut d = Dec::new(&sent[w.len()..]);
-                    match &g.crcs {
-                        Some(c) => prop_assert_eq!(&PieceCrcs::decode(&mut d).unwrap(), c),
-                        None => prop_assert_eq!(d.remaining(), 0),
-                    }
-                }
+            let got = encode_full_units(&ctx, &req.slice(13, size));
+            prop_assert_eq!(got.len(), want.len());
+            for (slot, (g, w)) in got.iter().zip(&want).enumerate() {
+                prop_assert_eq!(g.len(), w.len(), "slot {} length", slot);
+                prop_assert!(&g.to_vec() == w, "slot {} bytes", slot);
+                let mut parts = Vec::new();
+                g.push_parts(&mut parts);
+                prop_assert!(&SendBuf::concat(&parts) == w, "slot {} parts", slot);
             }
-        }
-
-        /// A listed CRC set is used only if it describes the bytes it came with.
-        #[test]
-        fn piece_crcs_describe_only_their_bytes(
-            head in 0usize..300, len in 0usize..20_000, tail in 0usize..100,
-            piece in prop_oneof![Just(4096usize), Just(1000), Just(1)],
-            flip in any::<prop::sample::Index>(),
-        ) {
-            let payload: Vec<u8> = (0..head + len + tail).map(|i| (i * 31 + i / 7) as u8).collect();
-            let crc = crc32c(&payload);
-            let data = &payload[head..head + len];
-            let good = PieceCrcs::of(data, piece);
-            prop_assert!(good.describes(&payload, crc, data));
-            prop_assert!(!good.describes(&payload, crc ^ 1, data));
-            if !good.crcs.is_empty() {
-                let mut bad = good.clone();
-                let i = flip.index(bad.crcs.len());
-                bad.crcs[i] ^= 0x10;
-                prop_assert!(!bad.describes(&payload, crc, data));
-                let mut short = good.clone();
-                short.crcs.pop();
-                prop_assert!(!short.describes(&payload, crc, data));
-            }
-            let other = vec![0u8; len];
-            prop_assert!(!good.describes(&payload, crc, &other) || len == 0);
         }
 
         /// Whatever extent the primary asks about, a CRC it is given is that of exactly the

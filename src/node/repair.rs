@@ -162,7 +162,6 @@ impl Node {
             offset: 0,
             xattrs: xattrs.clone(),
             data: &data[&s],
-            crcs: None,
         };
         let reqs = data
             .keys()

@@ -44,8 +44,6 @@ pub const ROUND_TXNS_MAX: usize = 4096;
 pub(crate) struct Lent {
     ptr: *const u8,
     len: usize,
-    /// The caller's CRC-32C of the bytes, when it had one (`Transaction::write_full_crcs`).
-    pub(crate) crc: Option<u32>,
 }
 
 // SAFETY: a Lent is created only by Store::commit from a slice that outlives the call, and the
@@ -59,7 +57,6 @@ impl Lent {
         Lent {
             ptr: s.as_ptr(),
             len: s.len(),
-            crc: None,
         }
     }
 

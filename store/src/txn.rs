@@ -42,8 +42,7 @@ pub enum AsyncCommit {
 const CONFLICT_RETRIES_MAX: u32 = 1000;
 
 enum Op<'a> {
-    /// The data, and (chunk size, CRC-32C of each chunk) when the caller knows them.
-    WriteFull(&'a [u8], Option<(u64, &'a [u32])>),
+    WriteFull(&'a [u8]),
     Write(u64, &'a [u8]),
     Append(&'a [u8]),
     Remove,
@@ -71,26 +70,7 @@ impl<'a> Transaction<'a> {
 
     /// Replace the object's content (creating it).
     pub fn write_full(&mut self, key: ObjectKey, data: &'a [u8]) -> &mut Self {
-        self.ops.push((key, Op::WriteFull(data, None)));
-        self
-    }
-
-    /// [`Transaction::write_full`] with the CRC-32C of each `chunk_bytes` piece of `data`
-    /// (the last one short), which the caller has already computed, e.g. while checking the
-    /// bytes as they arrived: the store records them instead of summing the data again. A
-    /// list for another chunk size, or of the wrong length, is ignored.
-    ///
-    /// The CRCs must be right (debug builds assert it). A wrong one is not wrong data: every
-    /// read checks the CRC, so the chunk would read as corrupt (and be repaired from parity).
-    pub fn write_full_crcs(
-        &mut self,
-        key: ObjectKey,
-        data: &'a [u8],
-        chunk_bytes: u64,
-        crcs: &'a [u32],
-    ) -> &mut Self {
-        self.ops
-            .push((key, Op::WriteFull(data, Some((chunk_bytes, crcs)))));
+        self.ops.push((key, Op::WriteFull(data)));
         self
     }
 
@@ -307,24 +287,13 @@ impl<D: BlockDevice> Shared<D> {
                     });
                 }
             }
-            Op::WriteFull(data, crcs) => {
+            Op::WriteFull(data) => {
                 check_size(data.len() as u64)?;
                 o.chunks.clear();
                 o.size = 0;
                 o.exists = true;
                 self.write_at(o, 0, data)?;
                 o.size = data.len() as u64;
-                let cb = self.chunk_bytes;
-                match crcs {
-                    Some((b, crcs)) if *b == cb && crcs.len() as u64 == o.size.div_ceil(cb) => {
-                        for (c, crc) in o.chunks.iter_mut().zip(crcs.iter()) {
-                            if let Chunk::Lent(l) = c {
-                                l.crc = Some(*crc);
-                            }
-                        }
-                    }
-                    _ => {}
-                }
             }
             Op::Write(off, data) => {
                 o.blind = false;
@@ -452,13 +421,7 @@ impl<D: BlockDevice> Shared<D> {
                     Chunk::Hole => (ChunkSrc::Hole, None),
                     Chunk::Lent(l) => {
                         let bytes = crate::commit::lent_bytes(&l);
-                        let crc = match l.crc {
-                            Some(crc) => {
-                                debug_assert_eq!(crc, crate::data_crc(bytes), "caller's chunk crc");
-                                crc
-                            }
-                            None => crate::data_crc(bytes),
-                        };
+                        let crc = crate::data_crc(bytes);
                         if run.is_some_and(|(_, n, filled)| filled == n) {
                             run = None;
                         }

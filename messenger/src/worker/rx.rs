@@ -186,7 +186,7 @@ impl Worker {
                 let l = c.rx.large.take().expect("checked above");
                 check_payload_crc(l.crc, l.trailer)?;
                 let payload = l.buf.freeze(0, l.header.payload_len as usize);
-                self.deliver(c, l.header, payload, l.crc)?;
+                self.deliver(c, l.header, payload)?;
                 continue;
             }
             let avail = c.rx.buffered();
@@ -231,7 +231,7 @@ impl Worker {
                 check_payload(&data[p0..p0 + plen], trailer)?;
                 let payload = c.rx.freeze(p0, plen);
                 c.rx.start += total;
-                self.deliver(c, header, payload, u32::from_le_bytes(trailer))?;
+                self.deliver(c, header, payload)?;
                 continue;
             }
             if plen < LARGE_PAYLOAD_BYTES_MIN {
@@ -333,12 +333,11 @@ impl Worker {
         c: &mut Conn,
         header: Header,
         payload: Payload,
-        crc: u32,
     ) -> Result<(), Close> {
         self.ctx.counters.frames_in.add(1);
         match header.kind {
             FrameKind::Request | FrameKind::OneWay => {
-                self.dispatch(c, &header, payload, crc);
+                self.dispatch(c, &header, payload);
                 Ok(())
             }
             FrameKind::Reply => {
@@ -349,8 +348,7 @@ impl Worker {
         }
     }
 
-    /// Hand a verified request or one-way message (payload CRC `crc`) to the dispatcher.
-    pub(super) fn dispatch(&mut self, c: &mut Conn, header: &Header, payload: Payload, crc: u32) {
+    pub(super) fn dispatch(&mut self, c: &mut Conn, header: &Header, payload: Payload) {
         let ticket = Ticket {
             _conn: c.conn_hold.take().expect("admitted"),
             _global: c.global_hold.take().expect("admitted"),
@@ -365,7 +363,6 @@ impl Worker {
             conn,
             msg_type: header.msg_type,
             payload,
-            payload_crc: crc,
             responder,
             _ticket: Some(ticket),
             throttled: c.paused_at.take().map(|t| t.elapsed()),
