@@ -274,13 +274,17 @@ impl Payload {
         if sub.is_empty() {
             return Payload::default();
         }
+        self.slice_of(sub)
+            .expect("slice_ref: the slice is not inside this payload")
+    }
+
+    /// [`Payload::slice_ref`] of a non-empty `sub` that may or may not lie in this payload:
+    /// `None` when it does not (or is empty).
+    pub fn slice_of(&self, sub: &[u8]) -> Option<Payload> {
         let base = self.as_ptr() as usize;
         let at = (sub.as_ptr() as usize).wrapping_sub(base);
-        assert!(
-            at <= self.len && sub.len() <= self.len - at,
-            "slice_ref: the slice is not inside this payload"
-        );
-        self.slice(at, sub.len())
+        (!sub.is_empty() && at <= self.len && sub.len() <= self.len - at)
+            .then(|| self.slice(at, sub.len()))
     }
 }
 

@@ -982,10 +982,11 @@ impl Node {
                 // The client's bytes where they lie in its request: data shards are sent
                 // as references to its stripe units, not gathered into new buffers.
                 let shards = match &data {
-                    Cow::Borrowed(d) if within(request, d) => {
-                        encode_full_units(ctx, &request.slice_ref(d))
-                    }
-                    _ => owned(encode_full(ctx, &data)),
+                    Cow::Borrowed(d) => match request.slice_of(d) {
+                        Some(units) => encode_full_units(ctx, &units),
+                        None => owned(encode_full(ctx, d)),
+                    },
+                    Cow::Owned(d) => owned(encode_full(ctx, d)),
                 };
                 self.count_encoded(data.len());
                 (
@@ -1695,12 +1696,6 @@ impl ShardBytes {
             }
         }
     }
-}
-
-/// Whether `sub` lies inside `payload`'s bytes.
-fn within(payload: &Payload, sub: &[u8]) -> bool {
-    let (base, at) = (payload.as_ptr() as usize, sub.as_ptr() as usize);
-    !sub.is_empty() && at >= base && at + sub.len() <= base + payload.len()
 }
 
 /// [`encode_full`] of an object held in a received payload, without copying it: each data

@@ -16,17 +16,19 @@ static ALLOCS: AtomicU64 = AtomicU64::new(0);
 
 // SAFETY: forwards to the system allocator unchanged; only counts calls.
 unsafe impl GlobalAlloc for Counting {
-    // SAFETY (the three methods): each has `GlobalAlloc`'s contract, which the caller keeps
-    // and the body passes on to `System` unchanged.
+    // SAFETY: `GlobalAlloc::alloc`'s contract, which the caller keeps and the body passes
+    // on to `System` unchanged.
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         ALLOCS.fetch_add(1, Relaxed);
         // SAFETY: the caller upholds `alloc`'s contract, which we pass on.
         unsafe { System.alloc(l) }
     }
+    // SAFETY: `GlobalAlloc::dealloc`'s contract, passed on to `System` unchanged.
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
         // SAFETY: `p` came from `System.alloc` with `l` (above).
         unsafe { System.dealloc(p, l) }
     }
+    // SAFETY: `GlobalAlloc::realloc`'s contract, passed on to `System` unchanged.
     unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
         ALLOCS.fetch_add(1, Relaxed);
         // SAFETY: as `dealloc` and `alloc`.
