@@ -1299,7 +1299,9 @@ impl Node {
                 (s, e.finish())
             })
             .collect();
-        let mut got: HashMap<usize, Vec<u8>> = HashMap::new();
+        // Each source's bytes where the reply holds them; only a shard shorter than the padded
+        // length (clipped at the object's end) is copied, to pad it with zeros.
+        let mut got: HashMap<usize, SourceShard> = HashMap::new();
         for (slot, p) in self.ask_all(ctx, wire::MSG_RECOVERY_READ, reqs)? {
             let mut d = Dec::new(&p);
             d.u64()?;
@@ -1309,9 +1311,14 @@ impl Node {
             if p.len() - at < n || n as u64 > len {
                 return Err(Error::Malformed("recovery read reply is short".into()));
             }
-            let mut v = vec![0u8; len as usize];
-            v[..n].copy_from_slice(&p[at..at + n]);
-            got.insert(slot, v);
+            let src = if n as u64 == len {
+                SourceShard::Reply(p.slice(at, n))
+            } else {
+                let mut v = vec![0u8; len as usize];
+                v[..n].copy_from_slice(&p[at..at + n]);
+                SourceShard::Padded(v)
+            };
+            got.insert(slot, src);
         }
         let mut wanted: BTreeMap<usize, Vec<u8>> =
             slots.map(|s| (s, vec![0u8; len as usize])).collect();
@@ -1321,7 +1328,7 @@ impl Node {
             let mut all: Vec<Shard> = Vec::with_capacity(ctx.n());
             for s in 0..ctx.n() {
                 all.push(match (got.get(&s), refs.remove(&s)) {
-                    (Some(v), _) => Shard::Present(v),
+                    (Some(v), _) => Shard::Present(v.bytes()),
                     (None, Some(w)) => Shard::Wanted(w),
                     _ => Shard::Missing,
                 });
@@ -1332,6 +1339,21 @@ impl Node {
             v.truncate(ctx.clip(*s, st.size) as usize);
         }
         Ok(wanted)
+    }
+}
+
+/// A source shard for a rebuild: in the reply that brought it, or copied and zero-padded.
+enum SourceShard {
+    Reply(Payload),
+    Padded(Vec<u8>),
+}
+
+impl SourceShard {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            SourceShard::Reply(p) => p,
+            SourceShard::Padded(v) => v,
+        }
     }
 }
 
