@@ -87,6 +87,15 @@ pub struct ClusterMap {
     /// or its host or weight changed). Before it a PG may have had other members.
     #[serde(default)]
     pub membership_epoch: u64,
+    /// Slot pins, like Ceph's upmap items: pool → PG → (slot, node), sorted by slot. A slot
+    /// whose own node is out holds a replacement; when another node later goes out or comes
+    /// back, the stateless draw could hand that slot a different replacement and move its
+    /// shard for nothing. `apply` pins the replacement instead, and drops a pin once the
+    /// slot's own node is back in, the pinned node is out, or the draw gives the same anyway
+    /// (`placement::repin`). Derived from the changes alone, so every holder of the map
+    /// computes the same pins.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub pins: BTreeMap<u64, BTreeMap<u32, Vec<(u8, u32)>>>,
 }
 
 impl ClusterMap {
@@ -114,10 +123,12 @@ impl ClusterMap {
             ));
         }
         for c in &inc.changes {
-            if self.moves_members(c) {
-                self.membership_epoch = inc.epoch;
-            }
+            let before = self.moves_members(c).then(|| self.clone());
             self.apply_change(c);
+            if let Some(before) = before {
+                self.membership_epoch = inc.epoch;
+                crate::placement::repin(&before, self);
+            }
         }
         self.epoch = inc.epoch;
         Ok(())
@@ -159,6 +170,7 @@ impl ClusterMap {
             }
             Change::PoolDelete(id) => {
                 self.pools.remove(id);
+                self.pins.remove(id);
             }
         }
     }

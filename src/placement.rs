@@ -75,18 +75,40 @@ fn candidates(map: &ClusterMap) -> Vec<Cand> {
 ///
 /// So when a node goes out only its slot changes, and a host change touches only PGs where
 /// the node now shares a host with another member.
+///
+/// Before phase 3, the map's pins for the PG ([`ClusterMap::pins`]) put their nodes back in
+/// their slots, so phase 3 redraws around them (see [`repin`]).
 pub fn pg_members(map: &ClusterMap, pool: &PoolInfo, pg: u32) -> Vec<Option<u32>> {
     let cs = candidates(map);
+    let own = own_members(&cs, pool, pg);
+    let pins = map
+        .pins
+        .get(&pool.id)
+        .and_then(|p| p.get(&pg))
+        .map_or(&[][..], Vec::as_slice);
+    ids(&cs, &settle(&cs, pool, pg, own, pins))
+}
+
+fn ids(cs: &[Cand], chosen: &[Option<usize>]) -> Vec<Option<u32>> {
+    chosen.iter().map(|c| c.map(|i| cs[i].id)).collect()
+}
+
+fn seed_of(pool: &PoolInfo, pg: u32) -> impl Fn(usize, u64) -> u64 {
     let base = mix(pool.id ^ mix(pg as u64 ^ 0x5047_0000_0000));
+    move |slot: usize, attempt: u64| mix(base ^ ((slot as u64) << 8) ^ (attempt << 40))
+}
+
+/// Phases 1 and 2: each slot's own node, in or out (indices into `cs`).
+fn own_members(cs: &[Cand], pool: &PoolInfo, pg: u32) -> Vec<Option<usize>> {
+    let seed_of = seed_of(pool, pg);
     let n = pool.size();
-    let seed_of = |slot: usize, attempt: u64| mix(base ^ ((slot as u64) << 8) ^ (attempt << 40));
     let attempts = ATTEMPTS_MAX as u64;
     let mut chosen: Vec<Option<usize>> = vec![None; n];
     // 1: distinct nodes.
     for pass in 0..attempts {
         for slot in 0..n {
             if chosen[slot].is_none() {
-                if let Some(i) = best_of(&cs, seed_of(slot, pass), &|_| true) {
+                if let Some(i) = best_of(cs, seed_of(slot, pass), &|_| true) {
                     if !chosen.contains(&Some(i)) {
                         chosen[slot] = Some(i);
                     }
@@ -106,19 +128,129 @@ pub fn pg_members(map: &ClusterMap, pool: &PoolInfo, pg: u32) -> Vec<Option<u32>
             .any(|j| cs[*j].host == cs[i].host)
         {
             let seeds = (attempts..2 * attempts).map(|a| seed_of(slot, a));
-            chosen[slot] = redraw(&cs, &chosen, slot, seeds, |_| true);
+            chosen[slot] = redraw(cs, &chosen, slot, seeds, |_| true);
         }
     }
-    // 3: out nodes (and empty slots) give way to in nodes.
+    chosen
+}
+
+/// Phase 3 from the slots' own nodes `own`: first each pin whose slot's own node is out (or
+/// missing) puts its node back, if that node is in and on a host no in node of another slot
+/// and no earlier pin holds; then every slot still without an in node draws again among in
+/// nodes on hosts no slot holds.
+fn settle(
+    cs: &[Cand],
+    pool: &PoolInfo,
+    pg: u32,
+    own: Vec<Option<usize>>,
+    pins: &[(u8, u32)],
+) -> Vec<Option<usize>> {
+    let seed_of = seed_of(pool, pg);
+    let attempts = ATTEMPTS_MAX as u64;
+    let n = own.len();
+    let mut chosen = own;
+    let mut pinned = vec![false; n];
+    for &(slot, node) in pins {
+        let s = slot as usize;
+        if s >= n || chosen[s].is_some_and(|i| cs[i].r#in) {
+            continue;
+        }
+        let Some(i) = cs.iter().position(|c| c.id == node && c.r#in) else {
+            continue;
+        };
+        let clash = (0..n).filter(|t| *t != s).any(|t| {
+            chosen[t].is_some_and(|j| (cs[j].r#in || pinned[t]) && cs[j].host == cs[i].host)
+        });
+        if !clash {
+            chosen[s] = Some(i);
+            pinned[s] = true;
+        }
+    }
+    // Out nodes (and empty slots) give way to in nodes.
     for slot in 0..n {
         if chosen[slot].is_some_and(|i| cs[i].r#in) {
             continue;
         }
         chosen[slot] = None;
         let seeds = (2 * attempts..3 * attempts).map(|a| seed_of(slot, a));
-        chosen[slot] = redraw(&cs, &chosen, slot, seeds, |i| cs[i].r#in);
+        chosen[slot] = redraw(cs, &chosen, slot, seeds, |i| cs[i].r#in);
     }
-    chosen.iter().map(|c| c.map(|i| cs[i].id)).collect()
+    chosen
+}
+
+/// Recompute `after.pins` once a change that may move members (`before` → `after`) applied.
+///
+/// Per PG: the pins still in force are kept (the slot's own node out, the pinned node in).
+/// A slot whose own node is out and whose replacement (its member under `before`) is still in
+/// but would now get another node is pinned to that replacement, until nothing else would
+/// move. A slot's own node coming back, or its replacement going out, still moves it: those
+/// changes involve the slot. Finally a pin goes if the PG's members are the same without it,
+/// so a map whose nodes are all back in has no pins.
+pub(crate) fn repin(before: &ClusterMap, after: &mut ClusterMap) {
+    let cs = candidates(after);
+    let mut all = std::collections::BTreeMap::new();
+    for pool in after.pools.values() {
+        if !before.pools.contains_key(&pool.id) {
+            continue;
+        }
+        let mut per_pg = std::collections::BTreeMap::new();
+        for pg in 0..pool.pg_num {
+            let old = pg_members(before, pool, pg);
+            let own = own_members(&cs, pool, pg);
+            let is_in = |id: u32| cs.iter().any(|c| c.id == id && c.r#in);
+            let own_out = |s: usize| own[s].is_none_or(|i| !cs[i].r#in);
+            let mut pins: Vec<(u8, u32)> = before
+                .pins
+                .get(&pool.id)
+                .and_then(|p| p.get(&pg))
+                .map(|v| {
+                    v.iter()
+                        .copied()
+                        .filter(|&(s, node)| {
+                            (s as usize) < own.len() && own_out(s as usize) && is_in(node)
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            loop {
+                let now = ids(&cs, &settle(&cs, pool, pg, own.clone(), &pins));
+                let mut added = false;
+                for s in 0..now.len() {
+                    let Some(was) = old[s] else { continue };
+                    if now[s] != Some(was)
+                        && own_out(s)
+                        && is_in(was)
+                        && !pins.iter().any(|p| p.0 as usize == s)
+                    {
+                        pins.push((s as u8, was));
+                        added = true;
+                    }
+                }
+                if !added {
+                    break;
+                }
+            }
+            pins.sort_unstable();
+            let with = settle(&cs, pool, pg, own.clone(), &pins);
+            let mut i = 0;
+            while i < pins.len() {
+                let mut fewer = pins.clone();
+                fewer.remove(i);
+                if settle(&cs, pool, pg, own.clone(), &fewer) == with {
+                    pins = fewer;
+                } else {
+                    i += 1;
+                }
+            }
+            if !pins.is_empty() {
+                per_pg.insert(pg, pins);
+            }
+        }
+        if !per_pg.is_empty() {
+            all.insert(pool.id, per_pg);
+        }
+    }
+    after.pins = all;
 }
 
 /// The candidate with the largest draw for `seed` among the `usable` ones.
@@ -412,6 +544,108 @@ mod tests {
             changed += 1;
         }
         assert!(changed > 0);
+    }
+
+    /// Apply one change to a copy of `before`.
+    fn changed(before: &ClusterMap, c: Change) -> ClusterMap {
+        let mut after = before.clone();
+        after
+            .apply(&Incremental {
+                epoch: before.epoch + 1,
+                changes: vec![c],
+            })
+            .unwrap();
+        after
+    }
+
+    /// Every slot that changed from `before` to `after` involves `node`: it held it before
+    /// (the node went out) or holds it now (the node came back). Returns the slots changed.
+    fn only_slots_of(before: &ClusterMap, after: &ClusterMap, p: &PoolInfo, node: u32) -> usize {
+        let mut n = 0;
+        for pg in 0..p.pg_num {
+            let (a, b) = (pg_members(before, p, pg), pg_members(after, p, pg));
+            for s in 0..a.len() {
+                if a[s] != b[s] {
+                    assert!(
+                        a[s] == Some(node) || b[s] == Some(node),
+                        "node {node}: pg {pg} slot {s} moved although it does not involve it: \
+                         {a:?} -> {b:?}"
+                    );
+                    n += 1;
+                }
+            }
+        }
+        n
+    }
+
+    #[test]
+    fn a_replacement_stays_put_while_other_nodes_go_out_and_come_back() {
+        let p = pool(512);
+        let mut start = twelve();
+        start.pools.insert(p.id, p.clone());
+        let pairs = [
+            (5, 7),
+            (7, 5),
+            (1, 12),
+            (12, 1),
+            (3, 4),
+            (9, 2),
+            (6, 11),
+            (10, 8),
+        ];
+        for (x, y) in pairs {
+            let m1 = changed(&start, Change::NodeOut(x));
+            assert!(only_slots_of(&start, &m1, &p, x) > 0);
+            let m2 = changed(&m1, Change::NodeOut(y));
+            assert!(only_slots_of(&m1, &m2, &p, y) > 0);
+            let m3 = changed(&m2, Change::NodeIn(x));
+            assert!(only_slots_of(&m2, &m3, &p, x) > 0);
+            let m4 = changed(&m3, Change::NodeIn(y));
+            assert!(only_slots_of(&m3, &m4, &p, y) > 0);
+            for pg in 0..p.pg_num {
+                assert_eq!(pg_members(&m4, &p, pg), pg_members(&start, &p, pg));
+            }
+            assert!(m4.pins.is_empty(), "every node is back: no pin is left");
+        }
+    }
+
+    #[test]
+    fn any_sequence_of_outs_and_ins_moves_only_the_slots_of_the_node_changed() {
+        let p = pool(256);
+        let mut m = twelve();
+        m.pools.insert(p.id, p.clone());
+        let start = m.clone();
+        let mut rng = 0x1234_5678_9abc_def0u64;
+        for step in 0..60 {
+            rng = mix(rng ^ step);
+            let out: Vec<u32> = m.nodes.values().filter(|n| !n.r#in).map(|n| n.id).collect();
+            // At most three out at once: 9 in nodes leave every PG its 8 distinct hosts.
+            let c = if !out.is_empty() && (out.len() == 3 || rng.is_multiple_of(2)) {
+                Change::NodeIn(out[(rng >> 8) as usize % out.len()])
+            } else {
+                let ins: Vec<u32> = m.nodes.values().filter(|n| n.r#in).map(|n| n.id).collect();
+                Change::NodeOut(ins[(rng >> 8) as usize % ins.len()])
+            };
+            let id = match c {
+                Change::NodeIn(id) | Change::NodeOut(id) => id,
+                _ => unreachable!(),
+            };
+            let next = changed(&m, c);
+            only_slots_of(&m, &next, &p, id);
+            let json = serde_json::to_string(&next).unwrap();
+            assert_eq!(serde_json::from_str::<ClusterMap>(&json).unwrap(), next);
+            m = next;
+        }
+        let out: Vec<u32> = m.nodes.values().filter(|n| !n.r#in).map(|n| n.id).collect();
+        for id in out {
+            let next = changed(&m, Change::NodeIn(id));
+            only_slots_of(&m, &next, &p, id);
+            m = next;
+        }
+        assert!(m.pins.is_empty());
+        for pg in 0..p.pg_num {
+            assert_eq!(pg_members(&m, &p, pg), pg_members(&start, &p, pg));
+        }
     }
 
     #[test]
