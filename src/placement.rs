@@ -194,11 +194,16 @@ pub(crate) fn repin(before: &ClusterMap, after: &mut ClusterMap) {
             continue;
         }
         let mut per_pg = std::collections::BTreeMap::new();
+        let pool_pins = before.pins.get(&pool.id);
         for pg in 0..pool.pg_num {
-            let old = pg_members(before, pool, pg);
             let own = own_members(&cs, pool, pg);
-            let is_in = |id: u32| cs.iter().any(|c| c.id == id && c.r#in);
             let own_out = |s: usize| own[s].is_none_or(|i| !cs[i].r#in);
+            // Only a slot whose own node is out holds a replacement; most PGs have none.
+            if !(0..own.len()).any(own_out) && pool_pins.is_none_or(|p| !p.contains_key(&pg)) {
+                continue;
+            }
+            let old = pg_members(before, pool, pg);
+            let is_in = |id: u32| cs.iter().any(|c| c.id == id && c.r#in);
             let mut pins: Vec<(u8, u32)> = before
                 .pins
                 .get(&pool.id)
