@@ -472,8 +472,20 @@ impl StreamReader {
         };
         let Some(first) = batch_at(&layout, sid, at, last_gen, image, layout.block) else {
             // No batch the chain expects: a segment reserved and never opened, or one whose
-            // opening was torn by a crash. The stream ends before it.
-            return Ok(false);
+            // opening was torn by a crash — unless a later batch of this stream in it was
+            // written after that first batch had been acknowledged. Then the first batch is
+            // rot too, and the segment is ours: with `rebuild_headers`, rebuild the header
+            // (the stream's generation so far: no batch behind it is older) and go on; replay
+            // then stops at the rotten first batch, which salvage skips and reports.
+            if !acked_later_batch(&layout, sid, last_gen, image, batch_seq) {
+                return Ok(false);
+            }
+            self.rotten_header = Some((seg, expected, found));
+            if !self.rebuild_headers {
+                return Ok(false);
+            }
+            self.note_rebuilt(seg, seg_seq, batch_seq, last_gen, (expected, found));
+            return Ok(true);
         };
         self.rotten_header = Some((seg, expected, found));
         if !self.rebuild_headers {
@@ -596,6 +608,27 @@ impl StreamReader {
         self.image = None;
         Ok(best.map(|(_, seg)| seg))
     }
+}
+
+/// Whether a segment image holds, after its first batch's block, a valid batch header of
+/// stream `sid` with a sequence above `missing`, no generation older than `gen`, written after
+/// batch `missing` had been acknowledged (its `durable_through` covers it).
+fn acked_later_batch(layout: &Layout, sid: u64, gen: u32, image: &[u8], missing: u64) -> bool {
+    let mut off = 2 * layout.block;
+    while off + 64 <= layout.segment_bytes {
+        if let Ok((h, _)) = BatchHeader::read_from_prefix(&image[off as usize..]) {
+            if h.is_valid()
+                && h.stream_id.get() == sid
+                && h.seq.get() > missing
+                && h.gen.get() >= gen
+                && h.durable_through.get() >= missing
+            {
+                return true;
+            }
+        }
+        off += layout.block;
+    }
+    false
 }
 
 impl StreamReader {

@@ -1106,6 +1106,123 @@ fn a_rotten_log_segment_header_is_rebuilt_from_its_batches() {
     }
 }
 
+/// Rot in a log segment header *and* in the header of the first batch behind it, in the
+/// middle of the chain. A later batch in the segment, written after that first batch had been
+/// acknowledged, proves the segment the log's: the lone store refuses and names the segment
+/// header; the salvage open rebuilds the header, skips the rotten first batch and reports
+/// both, and loses only the object whose write was in that batch. After a checkpoint the log
+/// goes on and a plain open is clean. Before this, even the salvage open refused (the whole
+/// device was rebuilt from its peers).
+#[test]
+fn rot_in_a_segment_header_and_its_first_batch_loses_only_that_batch() {
+    let (dev, s) = fresh_small_segments(64);
+    let mut objs = fill(&s, 10, 64);
+    s.checkpoint().unwrap();
+    for j in 0..45 {
+        let name = format!("big{j}");
+        let d = data(9000 + j, 100_000);
+        s.write_full(&key(&name), &d).unwrap();
+        objs.push((name, d));
+    }
+    let sb = superblock(&dev);
+    let chain = log_chain(&dev);
+    assert!(chain.len() >= 5, "the log spans {} segments", chain.len());
+    let (seg, orig) = chain[2];
+    let base = segment_base(&sb, seg);
+    let seg_end = base + sb.segment_bytes.get() as u64;
+    // The object written in the segment's first batch (which may hold the tail of an object
+    // that began in the segment before): the one with the segment's lowest chunk.
+    let lowest_chunk = |name: &str| {
+        s.meta(&key(name))
+            .unwrap()
+            .chunks
+            .iter()
+            .map(|c| c.offset.get())
+            .filter(|o| (base..seg_end).contains(o))
+            .min()
+    };
+    let victim = objs
+        .iter()
+        .filter_map(|(n, _)| lowest_chunk(n).map(|o| (o, n.clone())))
+        .min()
+        .map(|(_, n)| n)
+        .expect("an object in the segment");
+    drop(s);
+    dev.flip_bit(base + 30, 3);
+    dev.flip_bit(base + BS + 20, 3);
+
+    let e = Store::open(dev.clone(), Some(FSID), StoreConfig::default())
+        .err()
+        .expect("a plain open refuses");
+    let msg = e.to_string();
+    assert!(
+        msg.contains(&format!("log segment {seg}")) && msg.contains("salvage"),
+        "{msg}"
+    );
+
+    let (s, r) = Store::open(dev.clone(), Some(FSID), salvage())
+        .unwrap_or_else(|e| panic!("salvage open: {e}"));
+    eprintln!("plain open: {msg}; salvage: {:?}", r.salvaged);
+    assert_eq!(r.salvaged.len(), 2, "{:?}", r.salvaged);
+    let hdr = r
+        .salvaged
+        .iter()
+        .find(|p| p.kind == SalvageKind::SegmentHeader)
+        .expect("the segment header is reported");
+    assert_eq!(
+        (hdr.offset, hdr.batch_seq),
+        (base, orig.first_batch_seq.get())
+    );
+    assert_ne!(hdr.expected, hdr.found);
+    let skip = r
+        .salvaged
+        .iter()
+        .find(|p| p.kind == SalvageKind::BatchHeader)
+        .expect("the first batch is reported");
+    assert_eq!(
+        (skip.offset, skip.batch_seq, skip.batches_skipped),
+        (base + BS, orig.first_batch_seq.get(), 1)
+    );
+    assert!(!skip.keys_complete);
+    if !skip.keys.is_empty() {
+        assert_eq!(skip.keys, vec![key(&victim)]);
+    }
+    assert!(!s.exists(&key(&victim)), "the lost batch's object is gone");
+    let kept: Vec<_> = objs.iter().filter(|(n, _)| *n != victim).cloned().collect();
+    read_all(&s, &kept);
+    let h = segment_header(&dev, base);
+    assert!(h.is_valid(), "rewritten");
+    assert_eq!(
+        (
+            h.segment_seq.get(),
+            h.first_batch_seq.get(),
+            h.stream_id.get(),
+            h.next_segment.get()
+        ),
+        (
+            orig.segment_seq.get(),
+            orig.first_batch_seq.get(),
+            orig.stream_id.get(),
+            orig.next_segment.get()
+        )
+    );
+    // A checkpoint moves replay past the rotten batch; the log goes on.
+    s.checkpoint().unwrap();
+    let mut objs = kept;
+    for j in 0..20 {
+        let name = format!("after{j}");
+        let d = data(9500 + j, 100_000);
+        s.write_full(&key(&name), &d).unwrap();
+        objs.push((name, d));
+    }
+    drop(s);
+    let (s, r) = Store::open(dev.clone(), Some(FSID), StoreConfig::default())
+        .unwrap_or_else(|e| panic!("plain open after the salvage: {e}"));
+    assert!(r.salvaged.is_empty(), "{:?}", r.salvaged);
+    read_all(&s, &objs);
+    assert!(!s.exists(&key(&victim)));
+}
+
 /// A head segment whose header fails its CRC with a lone batch behind it, and no later batch
 /// proving that batch acknowledged (as a crash leaves it when the header write tore as the
 /// segment opened): the salvage open still rebuilds the header and keeps the batch (it
