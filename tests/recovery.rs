@@ -195,6 +195,127 @@ fn a_node_marked_out_is_rebuilt_on_new_members_and_redundancy_is_restored() {
     );
 }
 
+/// Mark `id` out (its process already stopped) through the CLI.
+fn mark_out(h: &Harness, id: u32) {
+    let out = Command::new(env!("CARGO_BIN_EXE_nvstore"))
+        .args(["node", "out", &id.to_string(), "--conf"])
+        .arg(h.lc.client_config())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "node out: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Shard bytes recovery wrote, summed over the nodes that are not `except`.
+fn rebuilt_bytes(s: &StatusReport, except: &[u32]) -> u64 {
+    s.node_stats
+        .iter()
+        .filter(|(id, _)| !except.contains(id))
+        .map(|(_, n)| n.recovery.bytes_done)
+        .sum()
+}
+
+/// Two nodes go out one after the other, on a pair for which the stateless draw would hand a
+/// replacement of the first node's slot a different node at the second out (the nodes' slot
+/// pins, `map.pins`, prevent that). The second rebuild writes exactly the second node's
+/// shards — nothing for the first node's replacements — and every object reads exact.
+#[test]
+fn a_second_node_out_rebuilds_only_its_own_shards() {
+    use nvstore::map::{Change, ClusterMap, Incremental};
+    use nvstore::placement::pg_members;
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(7);
+    let c = &h.client;
+    let pool = c.create_pool("pins", 2, 2, 4096, 64, None).unwrap();
+    let start = c.map();
+    let info = start.pools[&pool].clone();
+    let out = |m: &ClusterMap, id: u32| {
+        let mut m = m.clone();
+        m.apply(&Incremental {
+            epoch: m.epoch + 1,
+            changes: vec![Change::NodeOut(id)],
+        })
+        .unwrap();
+        m
+    };
+    let objects: Vec<(String, Vec<u8>)> = (0..48)
+        .map(|i| (format!("p-{i}"), bytes(500 + i as u64, 1 + size_of(i))))
+        .collect();
+    // Objects with a shard that would move at the second out without pins although it is
+    // not on `y`.
+    let collateral = |x: u32, y: u32| {
+        let m1 = out(&start, x);
+        let mut stateless = out(&m1, y);
+        stateless.pins.clear();
+        objects
+            .iter()
+            .filter(|(n, _)| {
+                let pg = pg_of(&info, n.as_bytes());
+                let (a, b) = (
+                    pg_members(&m1, &info, pg),
+                    pg_members(&stateless, &info, pg),
+                );
+                (0..a.len()).any(|s| a[s] != b[s] && a[s] != Some(y))
+            })
+            .count()
+    };
+    let (x, y) = (1..=7u32)
+        .flat_map(|x| (1..=7u32).filter(move |y| *y != x).map(move |y| (x, y)))
+        .max_by_key(|&(x, y)| collateral(x, y))
+        .unwrap();
+    assert!(
+        collateral(x, y) > 0,
+        "some pair of outs moves a replacement without pins"
+    );
+    for (n, d) in &objects {
+        c.put(pool, n.as_bytes(), d).unwrap();
+    }
+    wait_recovered(c, |_| true);
+
+    h.lc.stop_member(&format!("node.{x}"), true).unwrap();
+    wait_up(c, x, false);
+    mark_out(&h, x);
+    let s1 = wait_recovered(c, |s| s.nodes_in == 6 && s.recovery.backfill_objects > 0);
+
+    // What the second out must rebuild: each object's shard on `y`, clipped as stored.
+    let before = c.map();
+    assert!(!before.nodes[&x].r#in);
+    let profile = info.profile();
+    let expected: u64 = objects
+        .iter()
+        .filter_map(|(n, d)| {
+            let a = Acting::compute(&before, &info, pg_of(&info, n.as_bytes()));
+            let slot = a.shard_of(y)?;
+            let data_slot = if slot >= info.k as usize { 0 } else { slot };
+            Some(if d.is_empty() {
+                0
+            } else {
+                profile.shard_data_len(d.len() as u64, data_slot)
+            })
+        })
+        .sum();
+    assert!(expected > 0, "node {y} holds shards");
+    h.lc.stop_member(&format!("node.{y}"), true).unwrap();
+    wait_up(c, y, false);
+    mark_out(&h, y);
+    let s2 = wait_recovered(c, |s| {
+        s.nodes_in == 5 && rebuilt_bytes(s, &[x, y]) >= rebuilt_bytes(&s1, &[x, y]) + expected
+    });
+    assert!(
+        !c.map().pins.is_empty(),
+        "the second out pinned a replacement"
+    );
+    assert_eq!(
+        rebuilt_bytes(&s2, &[x, y]) - rebuilt_bytes(&s1, &[x, y]),
+        expected,
+        "the second out ({y}, after {x}) rebuilt only its own shards"
+    );
+    read_all(c, pool, &objects);
+}
+
 /// Stop `victim`, write 10 objects (contents seeded from `seed`), start it again: exactly
 /// those are rebuilt on it from the PG logs (delta), none by a full scan. Returns them.
 fn outage_caught_up_by_delta(
