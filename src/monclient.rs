@@ -32,6 +32,10 @@ pub struct MonClient {
     /// One lock per monitor: a slow connect to one does not hold up the others.
     conns: Vec<Mutex<Option<Connection>>>,
     map: RwLock<Arc<ClusterMap>>,
+    /// Held while a map reply is applied: one update at a time, computed outside `map`'s
+    /// lock (a change that moves members recomputes slot pins over every PG), so readers
+    /// wait only for the swap.
+    applying: Mutex<()>,
     epoch: (Mutex<u64>, Condvar),
     /// PG placements computed at one epoch (placement hashing is not free on every op).
     placement: Mutex<PlacementMemo>,
@@ -48,6 +52,7 @@ impl MonClient {
             cur: Mutex::new(0),
             conns: (0..n).map(|_| Mutex::new(None)).collect(),
             map: RwLock::new(Arc::new(ClusterMap::default())),
+            applying: Mutex::new(()),
             epoch: (Mutex::new(0), Condvar::new()),
             placement: Mutex::new((0, HashMap::new())),
             node_change_epoch: std::sync::atomic::AtomicU64::new(0),
@@ -127,45 +132,49 @@ impl MonClient {
 
     /// Apply a map reply; returns whether the map is complete (no gap).
     pub fn apply(&self, r: MapReply) -> bool {
+        let _one = self.applying.lock().unwrap();
         let mut ok = true;
-        {
-            let mut m = self.map.write().unwrap();
-            let mut node_change = None;
-            if let Some(full) = r.full {
-                if full.epoch > m.epoch || m.fsid.is_empty() {
-                    node_change = Some(full.epoch);
-                    *m = Arc::new(full);
-                }
-            }
-            let mut next = (**m).clone();
-            let mut changed = false;
-            for inc in &r.incs {
-                if inc.epoch <= next.epoch {
-                    continue;
-                }
-                if next.apply(inc).is_err() {
-                    ok = false;
-                    break;
-                }
-                if inc
-                    .changes
-                    .iter()
-                    .any(|c| !matches!(c, Change::PoolCreate(_) | Change::PoolDelete(_)))
-                {
-                    node_change = Some(inc.epoch);
-                }
+        let mut node_change = None;
+        let mut base = self.map.read().unwrap().clone();
+        let mut changed = false;
+        if let Some(full) = r.full {
+            if full.epoch > base.epoch || base.fsid.is_empty() {
+                node_change = Some(full.epoch);
+                base = Arc::new(full);
                 changed = true;
             }
+        }
+        let mut next: Option<ClusterMap> = None;
+        for inc in &r.incs {
+            if inc.epoch <= next.as_ref().map_or(base.epoch, |n| n.epoch) {
+                continue;
+            }
+            let n = next.get_or_insert_with(|| (*base).clone());
+            if n.apply(inc).is_err() {
+                ok = false;
+                break;
+            }
+            if inc
+                .changes
+                .iter()
+                .any(|c| !matches!(c, Change::PoolCreate(_) | Change::PoolDelete(_)))
+            {
+                node_change = Some(inc.epoch);
+            }
+            changed = true;
+        }
+        let epoch = {
+            let mut m = self.map.write().unwrap();
             if changed {
-                *m = Arc::new(next);
+                *m = next.map_or(base, Arc::new);
             }
             if let Some(e) = node_change {
                 self.node_change_epoch
                     .store(e, std::sync::atomic::Ordering::SeqCst);
             }
-            let mut e = self.epoch.0.lock().unwrap();
-            *e = m.epoch;
-        }
+            m.epoch
+        };
+        *self.epoch.0.lock().unwrap() = epoch;
         self.epoch.1.notify_all();
         ok
     }
