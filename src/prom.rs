@@ -135,7 +135,7 @@ pub fn messenger_samples(m: &MessengerStats, out: &mut Samples) {
     use Kind::{Counter as C, Gauge as G};
     for (i, w) in m.workers.iter().enumerate() {
         #[rustfmt::skip]
-        let rows: [(&'static str, Kind, u64, &'static str); 18] = [
+        let rows: [(&'static str, Kind, u64, &'static str); 19] = [
             ("iterations", C, w.iterations, "Event-loop passes that slept or found work"),
             ("empty_iterations", C, w.empty_iterations, "Passes that woke and found nothing to do"),
             ("sleeps", C, w.sleeps, "Blocking waits of the event loop"),
@@ -144,6 +144,7 @@ pub fn messenger_samples(m: &MessengerStats, out: &mut Samples) {
             ("wake_io", C, w.wake_io, "Passes with socket events"),
             ("wake_mailbox", C, w.wake_mailbox, "Passes with commands from other threads"),
             ("wake_timer", C, w.wake_timer, "Passes that fired timers"),
+            ("bulk_yields", C, w.bulk_yields, "Passes that wrote a whole pass budget, then yielded the CPU"),
             ("frames_in", C, w.frames_in, "Frames received"),
             ("frames_out", C, w.frames_out, "Frames sent"),
             ("bytes_in", C, w.bytes_in, "Bytes received"),

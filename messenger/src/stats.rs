@@ -67,6 +67,9 @@ worker_counters! {
     wake_mailbox,
     /// Passes that fired timers.
     wake_timer,
+    /// Passes that wrote a whole pass budget of bulk data and then yielded the CPU to any
+    /// thread waiting for it.
+    bulk_yields,
     timers_fired,
     frames_in,
     frames_out,

@@ -41,6 +41,9 @@ fn request_reply_round_trips_bytes_and_binds_identities() {
             s.total(|w| w.protocol_errors) + s.total(|w| w.auth_failures),
             0
         );
+        // Small messages never fill a pass's write budget: no worker gave up its CPU.
+        assert_eq!(s.total(|w| w.bulk_yields), 0);
+        assert_eq!(c.stats().total(|w| w.bulk_yields), 0);
     }
 }
 
@@ -117,7 +120,7 @@ fn large_and_small_frames_interleave_intact() {
 #[test]
 fn one_worker_streams_large_replies_to_many_connections_intact() {
     let k = Secret::generate();
-    let (_server, addr) = start_server(small_config(), &k, Arc::new(Echo { inline: false }));
+    let (server, addr) = start_server(small_config(), &k, Arc::new(Echo { inline: false }));
     let c = client(
         Config {
             workers: 2,
@@ -156,6 +159,10 @@ fn one_worker_streams_large_replies_to_many_connections_intact() {
             assert!(p.len() == 64 && p.iter().all(|&b| b == n as u8));
         }
     }
+    // Streaming 3 MiB replies, the server's worker wrote whole pass budgets and yielded its
+    // CPU between them (what lets a small op's threads run on a busy machine).
+    let yields = server.stats().total(|w| w.bulk_yields);
+    assert!(yields >= 1, "server worker yielded {yields} times");
 }
 
 struct Collect {

@@ -27,7 +27,7 @@ impl Worker {
     /// pass goes before the rest of a large one), each up to [`WRITE_QUANTUM`] bytes.
     /// The pass stops writing once it has written [`PASS_WRITE_BUDGET`] bytes: the connections
     /// not reached go on next pass, after the events and commands that arrived meanwhile.
-    pub(super) fn flush_dirty(&mut self) {
+    pub(super) fn flush_dirty(&mut self) -> u64 {
         let start = self.ctx.counters.bytes_out.get();
         while let Some(slot) = self.dirty.pop() {
             if self.ctx.counters.bytes_out.get() - start >= PASS_WRITE_BUDGET as u64 {
@@ -43,6 +43,7 @@ impl Worker {
             let gen = c.shared.gen;
             self.with_conn(slot, gen, |w, c| w.flush(c));
         }
+        self.ctx.counters.bytes_out.get() - start
     }
 
     /// Write queued frames with vectored writes until done, the socket is full, or this
@@ -79,7 +80,8 @@ pub(super) const WRITE_QUANTUM: usize = 1 << 20;
 /// MiB of copying. `nvstore bench hot` (100 SCHED_IDLE clients, one 4 MiB object), same runs
 /// alternating: probe p99 in the storm 2.65–3.54 ms (median 3.0) vs 3.37–3.87 (3.54) without,
 /// hot reads/s 806 vs 720 (medians). 256 KiB measured no better. 4 MiB cluster writes did not
-/// lose (711/691 vs 618/678 MB/s).
+/// lose (711/691 vs 618/678 MB/s). A pass that writes all of it then yields the CPU
+/// (`Worker::run_with_ready`); yielding after a quarter of it measured no better.
 pub(super) const PASS_WRITE_BUDGET: usize = 1 << 20;
 
 /// How a [`write_queued`] call ended.
