@@ -121,17 +121,7 @@ fn a_node_marked_out_is_rebuilt_on_new_members_and_redundancy_is_restored() {
     assert!(affected > 0, "the victim holds shards");
     h.lc.stop_member(&format!("node.{victim}"), true).unwrap();
     wait_up(c, victim, false);
-    let out = Command::new(env!("CARGO_BIN_EXE_nvstore"))
-        .args(["node", "out", &victim.to_string(), "--conf"])
-        .arg(h.lc.client_config())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "node out: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(String::from_utf8_lossy(&out.stdout).contains("marked out"));
+    mark_out(&h, victim);
     // Objects written while recovery runs: new ones, and whole and partial overwrites of
     // objects recovery may be rebuilding at that moment (they race on the PG).
     for i in 100..112 {
@@ -207,6 +197,7 @@ fn mark_out(h: &Harness, id: u32) {
         "node out: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("marked out"));
 }
 
 /// Shard bytes recovery wrote, summed over the nodes that are not `except`.
