@@ -1414,6 +1414,11 @@ impl Fetched {
     /// the end or the clip); the zeros past the meaningful bytes combine in.
     fn crc_of(&self, at: usize, n: usize) -> Option<u32> {
         let have = self.data.len().clamp(at, at + n);
+        if have == at {
+            // No meaningful byte in the extent (a chunk that starts before `at` does not
+            // matter then): it is all zeros.
+            return Some(zeros_crc(n));
+        }
         let mut crc = 0;
         let mut pos = 0usize;
         let mut to = at;
