@@ -116,6 +116,8 @@ pub struct NodeDelta {
     pub read_fetches: u64,
     pub coalesced_reads: u64,
     pub cache_hits: u64,
+    /// Read-only ops answered on the messenger worker from the caches.
+    pub inline_reads: u64,
     pub read_ops: u64,
 }
 
@@ -142,6 +144,7 @@ impl NodeDelta {
             read_fetches: b.read_fetches.saturating_sub(a.read_fetches),
             coalesced_reads: b.coalesced_reads.saturating_sub(a.coalesced_reads),
             cache_hits: b.cache_hits.saturating_sub(a.cache_hits),
+            inline_reads: b.inline_reads.saturating_sub(a.inline_reads),
             read_ops: b.read_ops.saturating_sub(a.read_ops),
         }
     }
@@ -503,7 +506,8 @@ pub fn print(r: &HotBenchResult) {
         println!(
             "  {}: hot read p50 {:.1} ms p99 {:.1} ms; {} probe reads idle, {} in the storm; \
              errors hot {} probe {}; all nodes' cpu in the storm {:.0} %; primary node {}: \
-             idle cpu {:.0} %, idle empty {:.2} %",
+             idle cpu {:.0} %, idle empty {:.2} %; reads answered on its messenger workers: \
+             {} idle, {} in the storm",
             x.coalescing,
             x.hot_lat.p50_ms,
             x.hot_lat.p99_ms,
@@ -514,7 +518,9 @@ pub fn print(r: &HotBenchResult) {
             x.nodes_storm_cpu_pct,
             x.primary_node,
             x.primary_idle.cpu_pct,
-            x.primary_idle.empty_iteration_pct
+            x.primary_idle.empty_iteration_pct,
+            x.primary_idle.inline_reads,
+            x.primary_storm.inline_reads
         );
         println!(
             "  {}: {}",

@@ -261,6 +261,59 @@ fn concurrent_readers_are_coalesced_writes_are_never_missed_and_status_names_the
     );
     let end = c.get(pool, b"mut").unwrap();
     assert!(end == pattern(WRITES));
+
+    // Reads of a cached object whose PG is idle are answered on the messenger worker that
+    // received them (no op thread), and still see every acknowledged write at once.
+    let p = primary_of(c, pool, b"mut");
+    let inline = || {
+        c.perf_dump(p).unwrap()["client"]["inline_reads"]
+            .as_u64()
+            .expect("perf dump has client.inline_reads")
+    };
+    let inline0 = inline();
+    let mut cur = WRITES;
+    for i in 0..40u64 {
+        if i % 10 == 9 {
+            cur += 1;
+            c.put(pool, b"mut", &pattern(cur)).unwrap();
+        }
+        // A read sent the moment the previous reply arrives can find the op thread that
+        // answered it still holding the PG (it lets go after replying): then it queues.
+        std::thread::sleep(Duration::from_millis(2));
+        let got = c.get_range(pool, b"mut", 0, SIZE as u64).unwrap();
+        assert!(got == pattern(cur), "read {i} after write {cur}");
+    }
+    // All but the first read after each write (a fetch, on an op thread), give or take a
+    // read that found the PG busy.
+    let n = inline() - inline0;
+    eprintln!("{n} of 40 sequential reads answered on the messenger worker");
+    assert!((30..=40).contains(&n), "{n} of 40 reads answered inline");
+
+    // A small object that is not hot: its bytes lie in the primary's own data shard, which
+    // its store's read cache holds after the first read; later reads are answered on the
+    // worker from there, and still see a write at once.
+    let small = bytes(3, 4096);
+    c.put(pool, b"small", &small).unwrap();
+    let p = primary_of(c, pool, b"small");
+    let inline0 = c.perf_dump(p).unwrap()["client"]["inline_reads"]
+        .as_u64()
+        .unwrap();
+    for i in 0..10 {
+        std::thread::sleep(Duration::from_millis(2));
+        assert!(c.get(pool, b"small").unwrap() == small, "read {i}");
+    }
+    let small2 = bytes(4, 4096);
+    c.put(pool, b"small", &small2).unwrap();
+    assert!(
+        c.get(pool, b"small").unwrap() == small2,
+        "the write is seen"
+    );
+    let n = c.perf_dump(p).unwrap()["client"]["inline_reads"]
+        .as_u64()
+        .unwrap()
+        - inline0;
+    eprintln!("{n} of 11 reads of a small object answered on the messenger worker");
+    assert!((7..=9).contains(&n), "{n} of 11 reads answered inline");
     eprintln!(
         "{} reads checked against {WRITES} writes",
         checked.load(SeqCst)

@@ -94,6 +94,9 @@ pub struct NodeStats {
     /// Large replies of hot objects that waited behind other replies (`node/hot.rs`).
     #[serde(default)]
     pub paced_replies: u64,
+    /// Read-only ops answered on the messenger worker from the caches (`node/hot.rs`).
+    #[serde(default)]
+    pub inline_reads: u64,
     /// Damaged places (rotten checkpoint or log batches, data items) the node's stores
     /// opened past at its last start (`node/salvage.rs`).
     #[serde(default)]

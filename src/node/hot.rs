@@ -593,6 +593,9 @@ pub struct HotCounters {
     pub crc_known_fetches: AtomicU64,
     /// Large replies that waited their turn behind other replies (hot objects only).
     pub paced_replies: AtomicU64,
+    /// Read-only ops answered on the messenger worker that received them, from the cached
+    /// object state and the cache, without a hand-off to an op thread.
+    pub inline_reads: AtomicU64,
 }
 
 /// The node's hot-object state.
@@ -800,6 +803,124 @@ impl Node {
                 }
             }
         }
+    }
+
+    /// A read-only op answered from the PG's cached object state and bytes in memory (the
+    /// hot-object cache, or this node's own data shard in its store's read cache), by the
+    /// messenger worker that received it, while it holds the idle PG's turn
+    /// (see `Node::enqueue_op`): no hand-off to an op thread and back, no shard request.
+    /// `None` when anything it needs is not cached, when it could fail (the queue reports
+    /// errors), or when its reply is large enough to be paced; the op then takes the queue.
+    pub(super) fn try_cached_read(
+        &self,
+        msg: &Incoming,
+        cache: &Mutex<PgCache>,
+    ) -> Option<Result<Vec<SendBuf>>> {
+        if !self.hot.enabled() {
+            return None;
+        }
+        let op = ClientOp::decode(msg.payload()).ok()?;
+        if op.flags & ops::FLAG_STAGED != 0
+            || op.ops.iter().any(|o| o.is_mutation())
+            || op.epoch > self.epoch()
+        {
+            return None;
+        }
+        let ctx = self.ctx(&op).ok()?;
+        // Never wait on the worker: a PG cache held elsewhere (recovery) means the queue.
+        let st = {
+            let mut c = cache.try_lock().ok()?;
+            self.refresh_cache(&ctx, &mut c);
+            c.objs.get(op.name)?.clone()
+        };
+        check_reads(&op, &st).ok()?;
+        let ranges = merge_ranges(read_ranges(&op, &st));
+        if ranges.iter().map(|(lo, hi)| hi - lo).sum::<u64>() >= PACED_REPLY_BYTES_MIN {
+            return None;
+        }
+        let tag = Tag::of(&st);
+        let mut fetches = Vec::with_capacity(ranges.len());
+        let mut local = 0;
+        for (lo, hi) in ranges {
+            let hit = self
+                .hot
+                .cache
+                .lock()
+                .unwrap()
+                .get(op.pool, op.name, tag, lo, hi - lo);
+            let (d, at) = match hit {
+                Some(h) => h,
+                None => {
+                    local += 1;
+                    (self.local_cached_range(&ctx, op.name, &st, lo, hi)?, 0)
+                }
+            };
+            fetches.push(Fetch {
+                lo,
+                hi,
+                data: Some(d),
+                at,
+                err: None,
+                crc: Arc::default(),
+                extents: None,
+            });
+        }
+        let data = !fetches.is_empty() as u64;
+        // A read served by this node's own shard counts as a fetch, one the hot-object cache
+        // served as absorbed: as on an op thread.
+        let absorbed = data * (local == 0) as u64;
+        let ctr = &self.hot.counters;
+        ctr.inline_reads.fetch_add(1, Relaxed);
+        ctr.cache_hits.fetch_add(absorbed, Relaxed);
+        self.counters_fetch(local);
+        self.hot.topk.lock().unwrap().record(
+            op.pool,
+            op.name,
+            client_hash(msg.peer()),
+            RecordCounts {
+                reads: 1,
+                data_reads: data,
+                absorbed,
+            },
+            Instant::now(),
+        );
+        Some(self.encode_reads(ctx.map.epoch, &op, &st, &mut fetches))
+    }
+
+    /// Object bytes `[lo, hi)` when they lie in one stripe unit of a data shard this node
+    /// holds, current at the object's version, and its store has them in memory (the read
+    /// cache): a copy of them, without a device command. `None` otherwise.
+    fn local_cached_range(
+        &self,
+        ctx: &primary::Ctx,
+        name: &[u8],
+        st: &ObjState,
+        lo: u64,
+        hi: u64,
+    ) -> Option<Arc<Vec<u8>>> {
+        let mut ext = ctx.profile.extents(lo, hi - lo);
+        let e = ext.next()?;
+        if ext.next().is_some()
+            || ctx.up(e.shard) != Some(self.id)
+            || st.current & primary::bit(e.shard) == 0
+        {
+            return None;
+        }
+        let r = self.local.read_if_cached(
+            ctx.pool.id,
+            ctx.pg,
+            name,
+            e.shard as u8,
+            st.version,
+            e.shard_offset,
+            e.len as u64,
+        )?;
+        if r.len() != e.len {
+            return None;
+        }
+        let mut v = Vec::with_capacity(e.len);
+        r.append_to(&mut v);
+        Some(Arc::new(v))
     }
 
     fn counters_fetch(&self, n: u64) {

@@ -434,6 +434,28 @@ impl Local {
         }
     }
 
+    /// [`Local::read`] only when the shard's metadata and every chunk of the range are in
+    /// memory (the meta cache and the store's read cache); `None` otherwise, including a
+    /// version other than `version`. Never waits for the device.
+    #[allow(clippy::too_many_arguments)]
+    pub fn read_if_cached(
+        &self,
+        pool: u64,
+        pg: u32,
+        name: &[u8],
+        shard: u8,
+        version: u64,
+        offset: u64,
+        len: u64,
+    ) -> Option<ReadBuf> {
+        let key = ObjectKey::new(pool, name, shard);
+        let meta = (*self.meta_cache.lock().unwrap().get(&key)?)?;
+        if meta.version != version || meta.deleted {
+            return None;
+        }
+        self.store(pool, pg).read_if_cached(&key, offset, len)
+    }
+
     fn load_log(&self, st: &Store<FileDevice>, pool: u64, pg: u32) -> VecDeque<ObjectKey> {
         let prefix = log_name(pg, 0, b"");
         let start = ObjectKey::new(pool, &prefix[..8], SHARD_LOG);

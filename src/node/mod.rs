@@ -309,9 +309,39 @@ impl Node {
             cache: Arc::new(Mutex::new(PgCache::default())),
         });
         op.event(Ev::Queued, NO_SHARD);
-        slot.queue.push_back((msg, op));
-        if !slot.running {
-            slot.running = true;
+        if slot.running || !slot.queue.is_empty() || !self.hot.enabled() {
+            slot.queue.push_back((msg, op));
+            if !slot.running {
+                slot.running = true;
+                self.run_q.push(key);
+            }
+            return;
+        }
+        // The PG is idle: take its turn here, as an op thread would, and answer a read the
+        // caches hold without handing it to an op thread and back (two thread wake-ups,
+        // each of which can wait for a CPU when the node is busy). Ops of the PG that arrive
+        // meanwhile queue behind it, so they see its effects in order.
+        slot.running = true;
+        let cache = slot.cache.clone();
+        drop(pgs);
+        let r = {
+            let _current = CurrentGuard::set(&op);
+            self.try_cached_read(&msg, &cache)
+        };
+        let answered = r.is_some();
+        if let Some(r) = r {
+            op.event(Ev::Started, NO_SHARD);
+            self.finish_op(&mut msg, &op, r);
+        }
+        let mut pgs = self.pgs.lock().unwrap();
+        let slot = pgs.get_mut(&key).expect("held PG has a slot");
+        if !answered {
+            // First in line: it arrived before anything queued meanwhile.
+            slot.queue.push_front((msg, op));
+            self.run_q.push(key);
+        } else if slot.queue.is_empty() {
+            slot.running = false;
+        } else {
             self.run_q.push(key);
         }
     }
@@ -745,6 +775,7 @@ impl Node {
             read_fetches: self.hot.counters.read_fetches.load(Relaxed),
             crc_known_fetches: self.hot.counters.crc_known_fetches.load(Relaxed),
             paced_replies: self.hot.counters.paced_replies.load(Relaxed),
+            inline_reads: self.hot.counters.inline_reads.load(Relaxed),
             msgr_iterations: msgr.total(|w| w.iterations),
             msgr_empty_iterations: msgr.total(|w| w.empty_iterations),
             cpu_ns: hot::process_cpu_ns(),

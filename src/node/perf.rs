@@ -171,12 +171,13 @@ impl Node {
             driver::workload::peak_rss_kib(),
         );
         #[rustfmt::skip]
-        let rows: [(&'static str, Row); 29] = [
+        let rows: [(&'static str, Row); 30] = [
             ("client", ("read_ops", C, c.read_ops.load(Relaxed), "Client read ops run as primary")),
             ("client", ("write_ops", C, c.write_ops.load(Relaxed), "Client write ops run as primary")),
             ("client", ("read_bytes", C, c.read_bytes.load(Relaxed), "Bytes returned to clients")),
             ("client", ("write_bytes", C, c.write_bytes.load(Relaxed), "Bytes clients wrote")),
             ("client", ("resolves_asked", C, c.resolves_asked.load(Relaxed), "Object states resolved by a stat round to the members")),
+            ("client", ("inline_reads", C, self.hot.counters.inline_reads.load(Relaxed), "Read-only ops answered on the messenger worker from the cached object state and the hot-object cache")),
             ("client", ("resolves_absent_local", C, c.resolves_absent_local.load(Relaxed), "Objects known absent from this complete member's own shards, without a stat round")),
             ("node", ("stale_primary_refused", C, c.stale_primary_refused.load(Relaxed), "Shard ops refused from a primary that a newer one of the PG superseded")),
             ("node", ("boot_gate_refused", C, c.boot_gate_refused.load(Relaxed), "Shard ops refused before this node registered, or while its map lagged its boot epoch")),

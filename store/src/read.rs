@@ -515,6 +515,17 @@ impl<D: BlockDevice> Shared<D> {
         Some(out)
     }
 
+    /// [`Shared::read_object`] when the read cache holds every chunk the range needs; `None`
+    /// otherwise (and for an object that is not there): never a device command.
+    pub(crate) fn read_if_cached(&self, key: &ObjectKey, offset: u64, len: u64) -> Option<ReadBuf> {
+        let c = self.cache.as_ref().filter(|c| c.enabled())?;
+        let m = self.lookup(key).ok()?;
+        let r = self.read_cached(c, &m, offset, len)?;
+        self.stats.reads.inc();
+        self.stats.read_bytes.add(r.len() as u64);
+        Some(r)
+    }
+
     /// Several reads in one go from the calling thread: every object's IOs are in flight
     /// together (up to the queue depth), so one thread drives the device at depth.
     pub(crate) fn read_many(&self, reqs: &[(ObjectKey, u64, u64)]) -> Vec<Result<ReadBuf>> {
@@ -714,6 +725,13 @@ impl<D: BlockDevice + 'static> Store<D> {
     /// cache as it is.
     pub fn read_uncached(&self, key: &ObjectKey, offset: u64, len: u64) -> Result<ReadBuf> {
         self.sh.read_object(key, offset, len, false)
+    }
+
+    /// [`Store::read`] only when the read cache holds every chunk of the range; `None`
+    /// otherwise. Never waits for the device: for a caller that must not block (a messenger
+    /// thread), which sends anything else to a thread that may.
+    pub fn read_if_cached(&self, key: &ObjectKey, offset: u64, len: u64) -> Option<ReadBuf> {
+        self.sh.read_if_cached(key, offset, len)
     }
 
     /// Several reads issued together from this thread (up to the device queue depth in

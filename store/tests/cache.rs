@@ -118,6 +118,50 @@ fn repeated_small_reads_come_from_memory_with_the_current_bytes() {
     assert_eq!(s.cache_stats().inserts, after.inserts, "off: not filled");
 }
 
+/// `read_if_cached` (for callers that must not block, such as a node's messenger worker)
+/// answers only from memory, with the current bytes, and never sends a device command.
+#[test]
+fn read_if_cached_answers_from_memory_or_not_at_all() {
+    let (dev, s) = cached_store(64, 2 << 20, 4 << 20, 3);
+    let k = key("probe");
+    let want = data(5, 4096);
+    s.write_full(&k, &want).unwrap();
+    let reads = dev.counters().reads;
+    assert!(s.read_if_cached(&k, 0, 4096).is_none(), "not read yet");
+    assert!(s.read_if_cached(&key("absent"), 0, 4096).is_none());
+    assert_eq!(dev.counters().reads, reads, "no device read");
+    assert_eq!(s.read_vec(&k, 0, 4096).unwrap(), want);
+    let reads = dev.counters().reads;
+    let r = s.read_if_cached(&k, 0, 4096).expect("cached after a read");
+    assert_eq!(r.to_vec(), want);
+    assert_eq!(r.version, s.stat(&k).unwrap().version);
+    assert_eq!(
+        s.read_if_cached(&k, 100, 200).unwrap().to_vec(),
+        want[100..300]
+    );
+    assert_eq!(dev.counters().reads, reads, "served from memory");
+    // An overwrite's chunk is not cached (writes do not fill it): never the old bytes.
+    let new = data(6, 4096);
+    s.write_full(&k, &new).unwrap();
+    assert!(s.read_if_cached(&k, 0, 4096).is_none());
+    assert_eq!(s.read_vec(&k, 0, 4096).unwrap(), new);
+    assert_eq!(s.read_if_cached(&k, 0, 4096).unwrap().to_vec(), new);
+    s.remove(&k).unwrap();
+    assert!(s.read_if_cached(&k, 0, 4096).is_none(), "removed");
+    // Large reads never come from the cache.
+    let big = key("big");
+    s.write_full(&big, &data(7, 1 << 20)).unwrap();
+    s.read_vec(&big, 0, u64::MAX).unwrap();
+    assert!(s.read_if_cached(&big, 0, 1 << 20).is_none());
+    // Switched off: nothing is cached.
+    let k2 = key("other");
+    s.write_full(&k2, &want).unwrap();
+    s.read_vec(&k2, 0, 4096).unwrap();
+    assert!(s.read_if_cached(&k2, 0, 4096).is_some());
+    s.set_read_cache(false);
+    assert!(s.read_if_cached(&k2, 0, 4096).is_none());
+}
+
 #[test]
 fn a_store_without_a_cache_reads_the_device_every_time() {
     let (dev, s) = cached_store(16, 1 << 20, 0, 2);
