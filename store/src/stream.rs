@@ -519,27 +519,26 @@ impl StreamReader {
 
     /// Replay starts inside `pos.seg` and its header fails its CRC. The superblock vouches for
     /// the segment's place in the stream; its first batch header (which must check and be this
-    /// stream's, no later than where replay starts) gives the rest. Returns whether it rebuilt
-    /// the header (only with `rebuild_headers`).
+    /// stream's, no later than where replay starts) gives the rest. When that batch header
+    /// fails too, [`rotten_first_batch`] looks behind it. Returns whether it rebuilt the
+    /// header (only with `rebuild_headers`).
     fn rebuild_start<D: BlockDevice>(&mut self, dev: &D, q: &mut D::Queue) -> Result<bool> {
         let layout = self.layout;
         let pos = self.pos;
+        let sid = self.stream_id;
         let image = Self::load(&mut self.image, &layout, dev, q, pos.seg)?;
         let (expected, found) = stored_and_computed_crc(image);
-        let first = BatchHeader::read_from_prefix(&image[layout.block as usize..])
-            .ok()
-            .map(|(h, _)| h)
-            .filter(|h| {
-                h.is_valid() && h.stream_id.get() == self.stream_id && h.seq.get() <= pos.batch_seq
-            });
+        let first = valid_header_at(image, layout.block, sid)
+            .filter(|h| h.seq.get() <= pos.batch_seq)
+            .map(|h| (h.seq.get(), h.gen.get()))
+            .or_else(|| rotten_first_batch(&layout, sid, image, pos));
         self.rotten_header = Some((pos.seg, expected, found));
-        let Some(first) = first else {
+        let Some((seq, gen)) = first else {
             return Ok(false);
         };
         if !self.rebuild_headers {
             return Ok(false);
         }
-        let (seq, gen) = (first.seq.get(), first.gen.get());
         self.note_rebuilt(pos.seg, pos.seg_seq, seq, gen, (expected, found));
         Ok(true)
     }
@@ -614,21 +613,78 @@ impl StreamReader {
 /// stream `sid` with a sequence above `missing`, no generation older than `gen`, written after
 /// batch `missing` had been acknowledged (its `durable_through` covers it).
 fn acked_later_batch(layout: &Layout, sid: u64, gen: u32, image: &[u8], missing: u64) -> bool {
+    acked_later_batch_gen(layout, sid, gen, image, missing).is_some()
+}
+
+/// [`acked_later_batch`], giving the generation of the first such batch.
+fn acked_later_batch_gen(
+    layout: &Layout,
+    sid: u64,
+    gen: u32,
+    image: &[u8],
+    missing: u64,
+) -> Option<u32> {
     let mut off = 2 * layout.block;
     while off + 64 <= layout.segment_bytes {
-        if let Ok((h, _)) = BatchHeader::read_from_prefix(&image[off as usize..]) {
-            if h.is_valid()
-                && h.stream_id.get() == sid
-                && h.seq.get() > missing
-                && h.gen.get() >= gen
-                && h.durable_through.get() >= missing
-            {
-                return true;
+        if let Some(h) = valid_header_at(image, off, sid) {
+            if h.seq.get() > missing && h.gen.get() >= gen && h.durable_through.get() >= missing {
+                return Some(h.gen.get());
             }
         }
         off += layout.block;
     }
-    false
+    None
+}
+
+/// The batch header at `off` of a segment image, if it checks and is stream `sid`'s.
+fn valid_header_at(image: &[u8], off: u64, sid: u64) -> Option<BatchHeader> {
+    let (h, _) = BatchHeader::read_from_prefix(image.get(off as usize..)?).ok()?;
+    (h.is_valid() && h.stream_id.get() == sid).then_some(h)
+}
+
+/// Replay starts at `pos` in a segment whose header and first batch header (block 1) both
+/// fail their CRCs: (first batch seq, generation) for the rebuilt header, when the segment's
+/// other batches vouch for them.
+///
+/// * Replay starts behind the first batch (`pos.off` > 1 block): the first valid header of
+///   the stream after block 1 from which the batches chain to the replay start (each the
+///   one before's length further on, `seq` + 1, `gen` no older) is the second batch: the
+///   rotten one is the one before it. Its records are covered by the checkpoint (replay
+///   starts after it), so nothing is lost.
+/// * Replay starts at the rotten batch itself: as when the chain enters such a segment
+///   ([`StreamReader::rebuild_entered`]), a later batch written after it had been
+///   acknowledged proves the rot; the first batch is the replay start's, and replay stops
+///   there for the salvage to skip it and report it.
+fn rotten_first_batch(layout: &Layout, sid: u64, image: &[u8], pos: Pos) -> Option<(u64, u32)> {
+    if pos.off <= layout.block {
+        let gen = acked_later_batch_gen(layout, sid, 0, image, pos.batch_seq)?;
+        return Some((pos.batch_seq, gen));
+    }
+    let mut off = 2 * layout.block;
+    while off <= pos.off {
+        if let Some(second) = valid_header_at(image, off, sid).filter(|h| {
+            (1..=pos.batch_seq).contains(&h.seq.get())
+                && (h.data_bytes.get() as u64).is_multiple_of(layout.block)
+        }) {
+            let (mut at, mut seq, mut cur) = (off, second.seq.get(), second);
+            while at < pos.off {
+                at += layout.batch_bytes(cur.meta_bytes.get() as u64, cur.data_bytes.get() as u64);
+                seq += 1;
+                if at >= pos.off {
+                    break;
+                }
+                match valid_header_at(image, at, sid) {
+                    Some(n) if n.seq.get() == seq && n.gen.get() >= cur.gen.get() => cur = n,
+                    _ => break,
+                }
+            }
+            if at == pos.off && seq == pos.batch_seq {
+                return Some((second.seq.get() - 1, second.gen.get()));
+            }
+        }
+        off += layout.block;
+    }
+    None
 }
 
 impl StreamReader {

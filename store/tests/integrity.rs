@@ -1342,3 +1342,140 @@ fn replay_never_passes_through_a_segment_without_its_first_batch() {
     let (s, _) = Store::open(dev, Some(FSID), StoreConfig::default()).unwrap();
     read_all(&s, &objs);
 }
+
+/// Rot in the header of the segment where replay starts *and* in the header of its first
+/// batch. Replay starting behind that batch (the checkpoint covers it): the batches from the
+/// second one on chain to the replay start (each the one before's length further on,
+/// sequence + 1), which proves the segment the log's and dates the rotten batch. Replay
+/// starting at the rotten batch itself (a superblock that says so, as a checkpoint taken just
+/// before it would): a later batch written after it was acknowledged proves it; the salvage
+/// skips it and reports it too. Either way the lone store refuses and names the segment
+/// header; the salvage open rebuilds the header as it was and loses no object (the
+/// checkpoint holds the skipped batch's effects); the next plain open is clean. Before this,
+/// even the salvage open refused (the node's whole device was rebuilt from its peers).
+#[test]
+fn rot_in_the_replay_start_segments_header_and_first_batch_loses_nothing() {
+    for (i, case) in ["replay starts behind it", "replay starts at it"]
+        .iter()
+        .enumerate()
+    {
+        let (dev, s) = fresh_small_segments(71 + i as u64);
+        let mut objs = fill(&s, 10, 71);
+        // Small writes, one batch each, until a checkpoint leaves replay starting a few
+        // batches into a segment.
+        let mut sb = superblock(&dev);
+        for j in 0..60 {
+            let name = format!("pre{j}");
+            let d = data(9100 + j, 9000);
+            s.write_full(&key(&name), &d).unwrap();
+            objs.push((name, d));
+            s.checkpoint().unwrap();
+            sb = superblock(&dev);
+            if sb.replay_offset.get() as u64 >= 4 * BS {
+                break;
+            }
+        }
+        let (seg, off) = (sb.replay_segment.get(), sb.replay_offset.get() as u64);
+        assert!(
+            off >= 4 * BS,
+            "{case}: replay starts {off} bytes into segment {seg}"
+        );
+        for j in 0..30 {
+            let name = format!("tail{j}");
+            let d = data(9200 + j, 50_000);
+            s.write_full(&key(&name), &d).unwrap();
+            objs.push((name, d));
+        }
+        drop(s);
+        let chain = log_chain(&dev);
+        assert!(
+            chain.len() >= 2,
+            "{case}: the tail leaves the replay segment"
+        );
+        let orig = chain[0].1;
+        assert_eq!(chain[0].0, seg);
+        if *case == "replay starts at it" {
+            sb.replay_offset = (BS as u32).into();
+            sb.replay_batch_seq = orig.first_batch_seq;
+            put_superblock(&dev, &mut sb);
+        }
+        let base = segment_base(&sb, seg);
+        dev.flip_bit(base + 30, 3);
+        dev.flip_bit(base + BS + 20, 3);
+
+        let e = Store::open(dev.clone(), Some(FSID), StoreConfig::default())
+            .err()
+            .unwrap_or_else(|| panic!("{case}: a plain open refuses"));
+        let msg = e.to_string();
+        assert!(
+            msg.contains(&format!("log segment {seg}")) && msg.contains("salvage"),
+            "{case}: {msg}"
+        );
+        let (s, r) = Store::open(dev.clone(), Some(FSID), salvage())
+            .unwrap_or_else(|e| panic!("{case}: salvage open: {e}"));
+        eprintln!("{case}: plain open: {msg}; salvage: {:?}", r.salvaged);
+        let hdr = r
+            .salvaged
+            .iter()
+            .find(|p| p.kind == SalvageKind::SegmentHeader)
+            .unwrap_or_else(|| panic!("{case}: the segment header is reported"));
+        assert_eq!(
+            (hdr.offset, hdr.batch_seq),
+            (base, orig.first_batch_seq.get())
+        );
+        assert_ne!(hdr.expected, hdr.found);
+        if *case == "replay starts at it" {
+            assert_eq!(r.salvaged.len(), 2, "{case}: {:?}", r.salvaged);
+            let skip = r
+                .salvaged
+                .iter()
+                .find(|p| p.kind == SalvageKind::BatchHeader)
+                .expect("the rotten first batch is reported");
+            assert_eq!(
+                (skip.offset, skip.batch_seq, skip.batches_skipped),
+                (base + BS, orig.first_batch_seq.get(), 1)
+            );
+        } else {
+            assert_eq!(r.salvaged.len(), 1, "{case}: {:?}", r.salvaged);
+        }
+        read_all(&s, &objs);
+        let h = segment_header(&dev, base);
+        assert!(h.is_valid(), "{case}: rewritten");
+        let fields = |h: &nvstore_store::format::SegmentHeader| {
+            (
+                h.segment_seq.get(),
+                h.first_batch_seq.get(),
+                h.stream_id.get(),
+                h.next_segment.get(),
+                h.gen.get(),
+            )
+        };
+        assert_eq!(fields(&h), fields(&orig), "{case}");
+        // More writes and a checkpoint past the damage; then a plain open is clean.
+        for j in 0..5 {
+            let name = format!("after{j}");
+            let d = data(9300 + j, 9000);
+            s.write_full(&key(&name), &d).unwrap();
+            objs.push((name, d));
+        }
+        s.checkpoint().unwrap();
+        drop(s);
+        let (s, r) = Store::open(dev.clone(), Some(FSID), StoreConfig::default())
+            .unwrap_or_else(|e| panic!("{case}: plain open after the rebuild: {e}"));
+        assert!(r.salvaged.is_empty(), "{case}: {:?}", r.salvaged);
+        read_all(&s, &objs);
+    }
+}
+
+/// Write `sb` (sealed) over both superblock copies.
+fn put_superblock(dev: &driver::SimDevice, sb: &mut nvstore_store::format::Superblock) {
+    use driver::BlockDevice;
+    use zerocopy::IntoBytes;
+    sb.seal();
+    let mut img = vec![0u8; BS as usize];
+    img[..std::mem::size_of_val(sb)].copy_from_slice(sb.as_bytes());
+    let mut q = dev.open_queue().unwrap();
+    for at in nvstore_store::format::SUPERBLOCK_OFFSETS {
+        driver::io::write_slice(dev, &mut q, at, &img, true).unwrap();
+    }
+}
