@@ -816,9 +816,6 @@ impl Node {
         msg: &Incoming,
         cache: &Mutex<PgCache>,
     ) -> Option<Result<Vec<SendBuf>>> {
-        if !self.hot.enabled() {
-            return None;
-        }
         let op = ClientOp::decode(msg.payload()).ok()?;
         if op.flags & ops::FLAG_STAGED != 0
             || op.ops.iter().any(|o| o.is_mutation())

@@ -309,7 +309,7 @@ impl Node {
             cache: Arc::new(Mutex::new(PgCache::default())),
         });
         op.event(Ev::Queued, NO_SHARD);
-        if slot.running || !slot.queue.is_empty() || !self.hot.enabled() {
+        if slot.running || !slot.queue.is_empty() {
             slot.queue.push_back((msg, op));
             if !slot.running {
                 slot.running = true;
