@@ -6,7 +6,14 @@
 //! as batches at the log head, writes them, and makes them durable with one flush (or one FUA
 //! write when the round is a single write). While that round is on the device, new arrivals
 //! queue up and become the next round the moment it finishes: the batch grows with the load
-//! and a lone writer pays one device write + flush. Only after the round is durable are the
+//! and a lone writer pays one device write + flush. When the thread wakes for a transaction
+//! with no round on the device, it first yields the CPU, again after each yield that brought
+//! more transactions (at most [`ARRIVAL_YIELDS_MAX`] times): on a host whose cores are all
+//! busy the threads that run meanwhile are often the ones about to submit, and their
+//! transactions join the round instead of each paying a round of their own (on 2 cores
+//! running 8 nodes, 4 KiB writes went from 2 to about 7 transactions per round and +35 %
+//! throughput). This waits for no timer and no event: on an idle host the yield returns at
+//! once and the round starts. Only after the round is durable are the
 //! new states published in the index and the waiters released: acknowledged = durable, and
 //! readers never see data a crash could take back.
 //!
@@ -266,6 +273,29 @@ enum CheckErr {
 /// How long a transaction waits for the cleaner to free space before failing.
 const SPACE_WAIT_MAX: Duration = Duration::from_secs(30);
 
+/// Most times the commit thread yields the CPU before a round while transactions keep
+/// arriving (see the module's policy). Measured on 2 cores running 8 nodes (4 KiB writes,
+/// 16 clients): 1 yield took rounds from 2.0 to 3.3 transactions, 4 to about 7, 8 to about 8
+/// with no more throughput.
+const ARRIVAL_YIELDS_MAX: usize = 4;
+
+/// The thread woke for a transaction with nothing on the device: give the CPU to whichever
+/// threads are runnable (on a busy host, often the very ones about to submit the next
+/// transactions) and take the round after them, for as long as that brings more. When no
+/// other thread wants the CPU, `yield_now` returns at once and the queue did not grow: one
+/// system call, no wait.
+fn yield_while_arriving(user: &Receiver<Msg>) {
+    let mut queued = user.len();
+    for _ in 0..ARRIVAL_YIELDS_MAX {
+        std::thread::yield_now();
+        let now = user.len();
+        if now == queued {
+            return;
+        }
+        queued = now;
+    }
+}
+
 /// Rounds the commit thread keeps on the device at once: one being flushed while the next is
 /// written.
 const PIPELINE_ROUNDS_MAX: usize = 2;
@@ -392,6 +422,9 @@ impl<D: BlockDevice> Committer<D> {
                 }
             };
             let mut started = false;
+            if can_start && idle && first.is_some() {
+                yield_while_arriving(&user);
+            }
             if can_start {
                 let mut round = Vec::new();
                 if let Some(m) = first {
