@@ -452,10 +452,6 @@ impl Node {
             || boot_gate(self.boot_epoch.load(Acquire), self.epoch()) != BootGate::Pass
             || w.kind != local::WriteKind::Full
             || w.data.len() > local::ASYNC_APPLY_BYTES_MAX
-            || self
-                .local
-                .store(w.pool, w.pg)
-                .exists(&store::ObjectKey::new(w.pool, w.name, w.shard))
         {
             return Some((msg, op));
         }
