@@ -410,9 +410,11 @@ impl Local {
 
     /// The store a PG's shards live on.
     pub fn store(&self, pool: u64, pg: u32) -> &Store<FileDevice> {
-        let i = (crc32c::crc32c(&[pool.to_le_bytes(), (pg as u64).to_le_bytes()].concat())
-            as usize)
-            % self.stores.len();
+        let c = crc32c::crc32c_append(
+            crc32c::crc32c(&pool.to_le_bytes()),
+            &(pg as u64).to_le_bytes(),
+        );
+        let i = c as usize % self.stores.len();
         &self.stores[i]
     }
 
@@ -1087,6 +1089,20 @@ mod meta_cache_tests {
             mtime_unix_ns: 0,
             deleted: false,
         })
+    }
+
+    #[test]
+    fn the_store_of_a_pg_is_the_crc_of_pool_and_pg_as_on_disk_layouts_expect() {
+        // `Local::store` picks a PG's device from this CRC; nodes with several devices found
+        // their shards by it before it stopped concatenating into a temporary buffer.
+        for (pool, pg) in [(1u64, 0u32), (7, 0x3f), (u64::MAX, u32::MAX)] {
+            let joined = [pool.to_le_bytes(), (pg as u64).to_le_bytes()].concat();
+            let appended = crc32c::crc32c_append(
+                crc32c::crc32c(&pool.to_le_bytes()),
+                &(pg as u64).to_le_bytes(),
+            );
+            assert_eq!(appended, crc32c::crc32c(&joined));
+        }
     }
 
     #[test]

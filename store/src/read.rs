@@ -673,7 +673,8 @@ impl<D: BlockDevice> Shared<D> {
 /// Serialized xattr map: count (u32), then per entry name length (u16), value length (u32),
 /// name bytes, value bytes; entries in name order.
 pub(crate) fn encode_xattrs(map: &BTreeMap<String, Vec<u8>>) -> Vec<u8> {
-    let mut v = Vec::new();
+    let bytes: usize = map.iter().map(|(k, val)| 6 + k.len() + val.len()).sum();
+    let mut v = Vec::with_capacity(4 + bytes);
     v.extend_from_slice(&(map.len() as u32).to_le_bytes());
     for (k, val) in map {
         v.extend_from_slice(&(k.len() as u16).to_le_bytes());
