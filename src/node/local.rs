@@ -1092,20 +1092,6 @@ mod meta_cache_tests {
     }
 
     #[test]
-    fn the_store_of_a_pg_is_the_crc_of_pool_and_pg_as_on_disk_layouts_expect() {
-        // `Local::store` picks a PG's device from this CRC; nodes with several devices found
-        // their shards by it before it stopped concatenating into a temporary buffer.
-        for (pool, pg) in [(1u64, 0u32), (7, 0x3f), (u64::MAX, u32::MAX)] {
-            let joined = [pool.to_le_bytes(), (pg as u64).to_le_bytes()].concat();
-            let appended = crc32c::crc32c_append(
-                crc32c::crc32c(&pool.to_le_bytes()),
-                &(pg as u64).to_le_bytes(),
-            );
-            assert_eq!(appended, crc32c::crc32c(&joined));
-        }
-    }
-
-    #[test]
     fn the_meta_cache_stays_bounded_and_keeps_what_is_used() {
         let key = |i: u64| ObjectKey::new(1, format!("o{i}"), 0);
         let mut c = MetaCache::new(8);
@@ -1134,6 +1120,20 @@ mod meta_cache_tests {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_store_of_a_pg_is_the_crc_of_pool_and_pg_as_on_disk_layouts_expect() {
+        // `Local::store` picks a PG's device from this CRC; nodes with several devices found
+        // their shards by it before it stopped concatenating into a temporary buffer.
+        for (pool, pg) in [(1u64, 0u32), (7, 0x3f), (u64::MAX, u32::MAX)] {
+            let joined = [pool.to_le_bytes(), (pg as u64).to_le_bytes()].concat();
+            let appended = crc32c::crc32c_append(
+                crc32c::crc32c(&pool.to_le_bytes()),
+                &(pg as u64).to_le_bytes(),
+            );
+            assert_eq!(appended, crc32c::crc32c(&joined));
+        }
+    }
 
     #[test]
     fn rollback_record_round_trip_and_spill() {
