@@ -11,7 +11,8 @@
 //! Environment: `NVSTORE_BENCH_DIR` (default: the target directory), `NVSTORE_BENCH_SECS`
 //! (default 10), `NVSTORE_BENCH_OBJECTS` (restart sizes, default "100000,1000000"),
 //! `NVSTORE_BENCH_ONLY` (comma list of latency, writes, puts, reads, restart, churn),
-//! `NVSTORE_BENCH_PAIRS` (alternating store/fio pairs for the 4 MiB writes, default 3).
+//! `NVSTORE_BENCH_PAIRS` (alternating store/fio pairs for the 4 MiB writes, default 3),
+//! `NVSTORE_BENCH_WRITERS` (the 4 MiB phase's store writers and fio queue depth, default 4).
 //! Without `--bench` (cargo test) it runs a tiny smoke version.
 
 use std::path::{Path, PathBuf};
@@ -117,7 +118,8 @@ fn main() {
         lone_put_latency(&path, size, quick);
     }
     if want("writes") {
-        large_writes(&path, size, secs, pairs);
+        let writers = env_u64("NVSTORE_BENCH_WRITERS", 4).max(1) as usize;
+        large_writes(&path, size, secs, pairs, writers);
     }
     if want("puts") {
         small_puts(&path, size, secs);
@@ -209,9 +211,11 @@ fn lone_put_latency(path: &Path, size: u64, quick: bool) {
     );
 }
 
-fn large_writes(path: &Path, size: u64, secs: f64, pairs: usize) {
+fn large_writes(path: &Path, size: u64, secs: f64, pairs: usize, writers: usize) {
+    let depth = writers as u32;
     println!(
-        "\n## 4 MiB write_full, 4 writers (durable) vs fio sequential write bs=4M QD4 (O_DIRECT)"
+        "\n## 4 MiB write_full, {writers} writers (durable) vs fio sequential write bs=4M \
+         QD{depth} (O_DIRECT)"
     );
     println!(
         "  {pairs} alternating pairs (store on a fresh store, then fio on a fresh sparse file)"
@@ -224,7 +228,7 @@ fn large_writes(path: &Path, size: u64, secs: f64, pairs: usize) {
     let mut synced_all = Vec::new();
     for p in 0..pairs {
         let (s, _dev) = fresh(path, size, false);
-        let ops = drive(4, secs, |t, i| {
+        let ops = drive(writers, secs, |t, i| {
             s.write_full(&key((t as u64 * 1_000_000 + i) % objects), &data)
                 .unwrap();
         });
@@ -232,7 +236,7 @@ fn large_writes(path: &Path, size: u64, secs: f64, pairs: usize) {
         drop(s);
         let ours = ops * 4.0 * 1048576.0 / 1e6;
         sparse_again(path, size);
-        let f = fio(path, Pattern::SeqWrite, 4 << 20, 4, size / 2, secs, &[]);
+        let f = fio(path, Pattern::SeqWrite, 4 << 20, depth, size / 2, secs, &[]);
         let theirs = f.as_ref().map(|r| r.mb_per_s());
         // Context, not the goal's baseline: fio made as durable as the store, a flush after
         // every two writes (the store's rounds hold about two objects). On a virtual disk
@@ -242,7 +246,7 @@ fn large_writes(path: &Path, size: u64, secs: f64, pairs: usize) {
             path,
             Pattern::SeqWrite,
             4 << 20,
-            4,
+            depth,
             size / 2,
             secs,
             &["--fdatasync=2"],
