@@ -162,6 +162,20 @@ pub(crate) struct Mut {
     pub op: MutOp,
 }
 
+impl Mut {
+    /// Whether the commit needs nothing of the object's current state before the round is
+    /// durable: a blind mutation that keeps nothing of it (no relocation, no xattrs taken from
+    /// the current state). The state it replaces is then read in the same index search that
+    /// installs the new one, when the round is applied, instead of a search at the check.
+    fn state_at_apply(&self) -> bool {
+        self.base == Base::Any
+            && match &self.op {
+                MutOp::Remove => true,
+                MutOp::Put(p) => !p.relocation && !matches!(p.xattrs, XattrSrc::Current),
+            }
+    }
+}
+
 pub(crate) struct Prepared {
     pub muts: Vec<Mut>,
     pub background: bool,
@@ -256,7 +270,8 @@ struct Accepted {
     txn: Box<Prepared>,
     reply: Reply,
     seq: u64,
-    /// Index state of each mut's object when checked.
+    /// Index state of each mut's object when checked (`None` also for a mut whose state is
+    /// read when applied: [`Mut::state_at_apply`]).
     cur: Vec<Option<Arc<ObjectMeta>>>,
     /// Placed data: per mut, the refs of its new chunks (by chunk index) and xattr blob.
     placed: Vec<(Vec<ChunkRef>, ChunkRef)>,
@@ -722,6 +737,10 @@ impl<D: BlockDevice> Committer<D> {
     fn check(&self, txn: &Prepared, need: u64) -> Result<Vec<Option<Arc<ObjectMeta>>>, CheckErr> {
         let mut cur = Vec::with_capacity(txn.muts.len());
         for m in &txn.muts {
+            if m.state_at_apply() {
+                cur.push(None);
+                continue;
+            }
             let now = self.sh.index.get(&m.key).map(|e| e.value().load_full());
             let ok = match (m.base, &now) {
                 (Base::Any, _) => true,
@@ -1077,11 +1096,23 @@ impl<D: BlockDevice> Committer<D> {
                     }
                 }
             }
+            // States replaced by mutations that did not look them up at the check: released
+            // now, after the new states were counted above.
+            let mut replaced = Vec::new();
             for (m, mu) in a.txn.muts.iter().enumerate() {
-                match &a.new_metas[m] {
+                let old = match &a.new_metas[m] {
                     Some(meta) => crate::index_put(&self.sh.index, &mu.key, meta.clone()),
-                    None => {
-                        self.sh.index.remove(&mu.key);
+                    None => self.sh.index.remove(&mu.key).map(|e| e.value().load_full()),
+                };
+                if let Some(old) = old.filter(|_| mu.state_at_apply()) {
+                    replaced.push(old);
+                }
+            }
+            if !replaced.is_empty() {
+                let mut segs = self.sh.segs.lock().unwrap();
+                for old in &replaced {
+                    for (seg, n) in old.chunks.iter().chain([&old.xattrs]).filter_map(live) {
+                        segs.sub_live(seg, n);
                     }
                 }
             }

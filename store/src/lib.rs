@@ -120,11 +120,18 @@ pub(crate) fn data_crc(data: &[u8]) -> u32 {
 /// Set `key`'s state: in place when it has an entry (readers see the old or the new state,
 /// never none), else a new entry. Only one thread writes an index (the commit thread; at open,
 /// the replay).
-pub(crate) fn index_put(index: &Index, key: &ObjectKey, meta: Arc<ObjectMeta>) {
-    // One search whether the key is new or not (most keys a commit round sets are new).
+/// Set a key's state; returns the state it replaced. One search whether the key is new or not
+/// (most keys a commit round sets are new).
+pub(crate) fn index_put(
+    index: &Index,
+    key: &ObjectKey,
+    meta: Arc<ObjectMeta>,
+) -> Option<Arc<ObjectMeta>> {
     let e = index.get_or_insert_with(key.clone(), || ArcSwap::new(meta.clone()));
-    if !Arc::ptr_eq(&e.value().load(), &meta) {
-        e.value().store(meta);
+    if Arc::ptr_eq(&e.value().load(), &meta) {
+        None
+    } else {
+        Some(e.value().swap(meta))
     }
 }
 

@@ -43,6 +43,7 @@ const CONFLICT_RETRIES_MAX: u32 = 1000;
 
 enum Op<'a> {
     WriteFull(&'a [u8]),
+    Replace(&'a [u8]),
     Write(u64, &'a [u8]),
     Append(&'a [u8]),
     Remove,
@@ -71,6 +72,15 @@ impl<'a> Transaction<'a> {
     /// Replace the object's content (creating it).
     pub fn write_full(&mut self, key: ObjectKey, data: &'a [u8]) -> &mut Self {
         self.ops.push((key, Op::WriteFull(data)));
+        self
+    }
+
+    /// Make the object exactly `data` with no xattrs, whether or not it exists (creating
+    /// it). Unlike [`Transaction::write_full`], which keeps the object's xattrs, the result
+    /// does not depend on the object's current state: nothing is looked up to prepare it, and
+    /// xattrs set after it in the same transaction are the object's only ones.
+    pub fn replace(&mut self, key: ObjectKey, data: &'a [u8]) -> &mut Self {
+        self.ops.push((key, Op::Replace(data)));
         self
     }
 
@@ -128,7 +138,9 @@ enum Chunk {
 
 struct Obj {
     key: ObjectKey,
+    /// The object's state in the index; looked up only once an op needs it (`loaded`).
     cur: Option<Arc<ObjectMeta>>,
+    loaded: bool,
     exists: bool,
     size: u64,
     version: u64,
@@ -136,37 +148,52 @@ struct Obj {
     xattrs: Option<BTreeMap<String, Vec<u8>>>,
     xattrs_cleared: bool,
     removed: bool,
-    /// Only blind ops (write_full, remove) so far: the commit need not pin the current state.
+    /// Only blind ops (write_full, replace, remove, xattrs set after a replace) so far: the
+    /// commit need not pin the current state.
     blind: bool,
     /// Some op changes the object (not just asserts).
     dirty: bool,
 }
 
 impl<D: BlockDevice> Shared<D> {
-    fn load_obj(&self, key: &ObjectKey) -> Obj {
-        let cur = self.index_get(key);
-        let (exists, size, version, chunks) = match &cur {
-            Some(m) => (
-                true,
-                m.size,
-                m.version,
-                m.chunks.iter().map(|r| Chunk::Keep(*r)).collect(),
-            ),
-            None => (false, 0, 0, Vec::new()),
-        };
+    /// An object of the transaction, its state not looked up yet ([`Shared::load`]).
+    fn new_obj(&self, key: &ObjectKey) -> Obj {
         Obj {
             key: key.clone(),
-            cur,
-            exists,
-            size,
-            version,
-            chunks,
+            cur: None,
+            loaded: false,
+            exists: false,
+            size: 0,
+            version: 0,
+            chunks: Vec::new(),
             xattrs: None,
             xattrs_cleared: false,
             removed: false,
             blind: true,
             dirty: false,
         }
+    }
+
+    /// Look the object up in the index, once. Before any op it takes the whole state; after a
+    /// write_full or replace (the only ops that run on an object not looked up) their content
+    /// stands and only the version and the current state (for xattrs and the commit's check)
+    /// are taken. `seen` records what was looked at.
+    fn load(&self, o: &mut Obj, seen: &mut Vec<(ObjectKey, Option<u64>)>) {
+        if o.loaded {
+            return;
+        }
+        o.loaded = true;
+        let cur = self.index_get(&o.key);
+        seen.push((o.key.clone(), cur.as_ref().map(|m| m.state_seq)));
+        if let Some(m) = &cur {
+            o.version = m.version;
+            if !o.dirty {
+                o.exists = true;
+                o.size = m.size;
+                o.chunks = m.chunks.iter().map(|r| Chunk::Keep(*r)).collect();
+            }
+        }
+        o.cur = cur;
     }
 
     /// The logical length of chunk `i` in an object of `size` bytes.
@@ -254,7 +281,23 @@ impl<D: BlockDevice> Shared<D> {
         Ok(o.xattrs.as_mut().unwrap())
     }
 
-    fn apply_op(&self, o: &mut Obj, op: &Op<'_>) -> Result<()> {
+    fn apply_op(
+        &self,
+        o: &mut Obj,
+        op: &Op<'_>,
+        seen: &mut Vec<(ObjectKey, Option<u64>)>,
+    ) -> Result<()> {
+        // Every op but these needs the object's current state: a full write or replace sets
+        // the content whatever it was; xattrs changed after a replace (or a remove) in this
+        // transaction start from an empty map of an object known to exist (or not).
+        let needs_state = match op {
+            Op::WriteFull(_) | Op::Replace(_) => false,
+            Op::SetXattr(..) | Op::RmXattr(_) => !o.xattrs_cleared,
+            _ => true,
+        };
+        if needs_state {
+            self.load(o, seen);
+        }
         if !matches!(
             op,
             Op::AssertExists | Op::AssertAbsent | Op::AssertVersion(_)
@@ -295,6 +338,16 @@ impl<D: BlockDevice> Shared<D> {
                 self.write_at(o, 0, data)?;
                 o.size = data.len() as u64;
             }
+            Op::Replace(data) => {
+                check_size(data.len() as u64)?;
+                o.chunks.clear();
+                o.size = 0;
+                o.exists = true;
+                o.xattrs = None;
+                o.xattrs_cleared = true;
+                self.write_at(o, 0, data)?;
+                o.size = data.len() as u64;
+            }
             Op::Write(off, data) => {
                 o.blind = false;
                 o.exists = true;
@@ -318,7 +371,7 @@ impl<D: BlockDevice> Shared<D> {
                 o.xattrs_cleared = true;
             }
             Op::SetXattr(name, value) => {
-                o.blind = false;
+                o.blind &= o.xattrs_cleared;
                 if !o.exists {
                     return Err(StoreError::NotFound(o.key.clone()));
                 }
@@ -332,7 +385,7 @@ impl<D: BlockDevice> Shared<D> {
                 self.xattrs_mut(o)?.insert(name.clone(), value.to_vec());
             }
             Op::RmXattr(name) => {
-                o.blind = false;
+                o.blind &= o.xattrs_cleared;
                 if !o.exists {
                     return Err(StoreError::NotFound(o.key.clone()));
                 }
@@ -348,6 +401,7 @@ impl<D: BlockDevice> Shared<D> {
     }
 
     fn finish(&self, o: Obj) -> Result<Option<Mut>> {
+        debug_assert!(o.blind || o.loaded, "an op that read the state loaded it");
         let base = if o.blind {
             Base::Any
         } else {
@@ -506,13 +560,11 @@ impl<D: BlockDevice> Shared<D> {
             let i = match objs.iter().position(|o| &o.key == key) {
                 Some(i) => i,
                 None => {
-                    let o = self.load_obj(key);
-                    seen.push((key.clone(), o.cur.as_ref().map(|m| m.state_seq)));
-                    objs.push(o);
+                    objs.push(self.new_obj(key));
                     objs.len() - 1
                 }
             };
-            self.apply_op(&mut objs[i], op)?;
+            self.apply_op(&mut objs[i], op, seen)?;
         }
         let mut muts = Vec::new();
         for o in objs {

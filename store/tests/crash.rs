@@ -36,6 +36,7 @@ type Model = BTreeMap<String, Obj>;
 #[derive(Clone)]
 enum TOp {
     WriteFull(String, Vec<u8>),
+    Replace(String, Vec<u8>),
     Write(String, u64, Vec<u8>),
     Append(String, Vec<u8>),
     Remove(String),
@@ -47,6 +48,7 @@ impl std::fmt::Debug for TOp {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             TOp::WriteFull(k, d) => write!(f, "write_full({k}, {} bytes)", d.len()),
+            TOp::Replace(k, d) => write!(f, "replace({k}, {} bytes)", d.len()),
             TOp::Write(k, o, d) => write!(f, "write({k}, @{o}, {} bytes)", d.len()),
             TOp::Append(k, d) => write!(f, "append({k}, {} bytes)", d.len()),
             TOp::Remove(k) => write!(f, "remove({k})"),
@@ -67,6 +69,15 @@ fn apply(model: &mut Model, ops: &[TOp]) -> Result<(), ()> {
                     xattrs: BTreeMap::new(),
                 });
                 o.data = d.clone();
+            }
+            TOp::Replace(k, d) => {
+                m.insert(
+                    k.clone(),
+                    Obj {
+                        data: d.clone(),
+                        xattrs: BTreeMap::new(),
+                    },
+                );
             }
             TOp::Write(k, _, d) | TOp::Append(k, d) => {
                 let o = m.entry(k.clone()).or_insert_with(|| Obj {
@@ -123,7 +134,8 @@ fn gen_txn(rng: &mut ChaCha8Rng, keys: &[String], model: &Model, big: bool) -> V
             let exists = model.contains_key(&k);
             let seed = rng.gen::<u64>();
             match rng.gen_range(0..100) {
-                0..=39 => TOp::WriteFull(k, data(seed, size(rng, big))),
+                0..=29 => TOp::WriteFull(k, data(seed, size(rng, big))),
+                30..=39 => TOp::Replace(k, data(seed, size(rng, big))),
                 40..=59 => {
                     let cur = model.get(&k).map_or(0, |o| o.data.len() as u64);
                     let off = rng.gen_range(0..=cur + 70_000);
@@ -154,6 +166,7 @@ fn run_txn(s: &Store<SimDevice>, ops: &[TOp]) -> Result<u64, StoreError> {
     for op in ops {
         match op {
             TOp::WriteFull(k, d) => t.write_full(skey(k), d),
+            TOp::Replace(k, d) => t.replace(skey(k), d),
             TOp::Write(k, off, d) => t.write(skey(k), *off, d),
             TOp::Append(k, d) => t.append(skey(k), d),
             TOp::Remove(k) => t.remove(skey(k)),
