@@ -637,11 +637,10 @@ impl Local {
             .collect();
         let mut t = Transaction::new();
         match w.kind {
+            // A replace needs no index search to prepare or check: the shard's xattrs are
+            // all set below, and whatever it held is released when the commit applies.
             WriteKind::Full => {
-                if exists {
-                    t.remove(key.clone());
-                }
-                t.write_full(key.clone(), w.data);
+                t.replace(key.clone(), w.data);
             }
             WriteKind::Range => {
                 t.write(key.clone(), w.offset, w.data);
@@ -671,7 +670,7 @@ impl Local {
                 None => {}
             }
         }
-        t.write_full(log_key.clone(), &[]);
+        t.replace(log_key.clone(), &[]);
         let mut logs = self.pg_logs.lock().unwrap();
         let log = logs
             .entry((w.pool, w.pg))
