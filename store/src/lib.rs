@@ -118,10 +118,9 @@ pub(crate) fn data_crc(data: &[u8]) -> u32 {
 }
 
 /// Set `key`'s state: in place when it has an entry (readers see the old or the new state,
-/// never none), else a new entry. Only one thread writes an index (the commit thread; at open,
-/// the replay).
-/// Set a key's state; returns the state it replaced. One search whether the key is new or not
-/// (most keys a commit round sets are new).
+/// never none), else a new entry; returns the state it replaced. One search whether the key is
+/// new or not (most keys a commit round sets are new). Only one thread writes an index (the
+/// commit thread; at open, the replay).
 pub(crate) fn index_put(
     index: &Index,
     key: &ObjectKey,
