@@ -372,7 +372,10 @@ mod tests {
         let big: Vec<RecvBuf> = (0..10).map(|_| pool.take((32 << 20) + 1)).collect();
         drop(big);
         let st = pool.stats();
-        assert_eq!((st.returned, st.freed), (32 + 32 + KEEP_LARGE_MIN as u64, 8 + 2));
+        assert_eq!(
+            (st.returned, st.freed),
+            (32 + 32 + KEEP_LARGE_MIN as u64, 8 + 2)
+        );
     }
 
     #[test]
