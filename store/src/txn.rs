@@ -330,21 +330,15 @@ impl<D: BlockDevice> Shared<D> {
                     });
                 }
             }
-            Op::WriteFull(data) => {
+            Op::WriteFull(data) | Op::Replace(data) => {
                 check_size(data.len() as u64)?;
                 o.chunks.clear();
                 o.size = 0;
                 o.exists = true;
-                self.write_at(o, 0, data)?;
-                o.size = data.len() as u64;
-            }
-            Op::Replace(data) => {
-                check_size(data.len() as u64)?;
-                o.chunks.clear();
-                o.size = 0;
-                o.exists = true;
-                o.xattrs = None;
-                o.xattrs_cleared = true;
+                if matches!(op, Op::Replace(_)) {
+                    o.xattrs = None;
+                    o.xattrs_cleared = true;
+                }
                 self.write_at(o, 0, data)?;
                 o.size = data.len() as u64;
             }
