@@ -433,7 +433,7 @@ fn start_again(h: &Harness, node: u32) {
 /// raw `SHARD_REPAIR` as if from the primary). Returns the number of stripes it spans.
 fn zero_parity(h: &Harness, pool: u64, name: &str) -> u64 {
     use messenger::{Identity, OutMessage};
-    use nvstore::node::local::{ShardMeta, ShardWrite, WriteKind, BASE_ANY};
+    use nvstore::node::local::{ShardData, ShardMeta, ShardWrite, WriteKind, BASE_ANY};
     let c = &h.client;
     let map = c.map();
     let p = &map.pools[&pool];
@@ -457,7 +457,7 @@ fn zero_parity(h: &Harness, pool: u64, name: &str) -> u64 {
         },
         offset: 0,
         xattrs: vec![],
-        data: &zeros,
+        data: ShardData::Flat(&zeros),
     };
     let mut payload = write.encode_header(map.epoch);
     payload.extend_from_slice(&zeros);

@@ -186,6 +186,36 @@ pub enum WriteKind {
     Meta = 2,
 }
 
+/// A shard write's bytes: one slice (as decoded from a message), or the pieces a primary
+/// holds its own data shard in (the stripe units of the client's request), which its store
+/// takes without joining them ([`store::Transaction::replace_parts`]).
+#[derive(Debug, Clone, Copy)]
+pub enum ShardData<'a> {
+    Flat(&'a [u8]),
+    Parts(&'a [&'a [u8]]),
+}
+
+impl<'a> ShardData<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            ShardData::Flat(d) => d.len(),
+            ShardData::Parts(p) => p.iter().map(|p| p.len()).sum(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes as one slice: borrowed when flat, joined when in parts.
+    pub fn joined(&self) -> std::borrow::Cow<'a, [u8]> {
+        match self {
+            ShardData::Flat(d) => std::borrow::Cow::Borrowed(d),
+            ShardData::Parts(p) => std::borrow::Cow::Owned(p.concat()),
+        }
+    }
+}
+
 /// One shard write, as a primary sends it.
 #[derive(Debug, Clone)]
 pub struct ShardWrite<'a> {
@@ -200,7 +230,7 @@ pub struct ShardWrite<'a> {
     pub offset: u64,
     /// Full: the complete set; Range/Meta: changes (`None` removes).
     pub xattrs: Vec<(String, Option<Vec<u8>>)>,
-    pub data: &'a [u8],
+    pub data: ShardData<'a>,
 }
 
 impl<'a> ShardWrite<'a> {
@@ -241,7 +271,7 @@ impl<'a> ShardWrite<'a> {
         let meta = ShardMeta::decode(d)?;
         let offset = d.u64()?;
         let xattrs = decode_xattr_changes(d)?;
-        let data = d.bytes()?;
+        let data = ShardData::Flat(d.bytes()?);
         d.end()?;
         Ok(ShardWrite {
             pool,
@@ -635,15 +665,24 @@ impl Local {
             .iter()
             .map(|(k, v)| (format!("{USER_PREFIX}{k}"), v.clone()))
             .collect();
+        let range = match w.kind {
+            WriteKind::Range => w.data.joined(),
+            _ => std::borrow::Cow::Borrowed(&[][..]),
+        };
         let mut t = Transaction::new();
         match w.kind {
             // A replace needs no index search to prepare or check: the shard's xattrs are
             // all set below, and whatever it held is released when the commit applies.
-            WriteKind::Full => {
-                t.replace(key.clone(), w.data);
-            }
+            WriteKind::Full => match w.data {
+                ShardData::Flat(d) => {
+                    t.replace(key.clone(), d);
+                }
+                ShardData::Parts(p) => {
+                    t.replace_parts(key.clone(), p);
+                }
+            },
             WriteKind::Range => {
-                t.write(key.clone(), w.offset, w.data);
+                t.write(key.clone(), w.offset, &range);
             }
             WriteKind::Meta => {
                 if !exists {
@@ -931,11 +970,12 @@ impl Local {
             .iter()
             .filter_map(|(k, v)| Some((format!("{USER_PREFIX}{k}"), v.as_deref()?)))
             .collect();
+        let data = w.data.joined();
         let mut t = Transaction::new();
         if st.exists(&key) {
             t.remove(key.clone());
         }
-        t.write_full(key.clone(), w.data);
+        t.write_full(key.clone(), &data);
         t.set_xattr(key.clone(), XATTR_META, &meta_bytes);
         if let Some(rb) = &keep_rb {
             t.set_xattr(key.clone(), XATTR_RB, rb);
@@ -1206,7 +1246,7 @@ mod store_tests {
                 .iter()
                 .map(|(k, v)| (k.to_string(), Some(v.to_vec())))
                 .collect(),
-            data,
+            data: ShardData::Flat(data),
         }
     }
 
@@ -1249,7 +1289,7 @@ mod store_tests {
             meta: meta(13, 100),
             offset: 6,
             xattrs: vec![("a".into(), None), ("c".into(), Some(b"3".to_vec()))],
-            data: b"WORLD!!!",
+            data: ShardData::Flat(b"WORLD!!!"),
             ..full(13, b"", &[])
         };
         l.apply(&w).unwrap();
@@ -1344,7 +1384,7 @@ mod store_tests {
         let mut other = full(12, &big, &[]);
         other.name = b"other";
         assert!(!declined(&other));
-        other.data = b"small";
+        other.data = ShardData::Flat(b"small");
         other.kind = WriteKind::Range;
         assert!(!declined(&other));
         assert_eq!(snapshot(&l), snapshot(&sync));

@@ -25,7 +25,7 @@ use messenger::checksum::crc32c_combine;
 use messenger::{Incoming, OutMessage, Payload, SendBuf};
 use smallvec::SmallVec;
 
-use super::local::{ShardMeta, ShardState, ShardWrite, WriteKind, BASE_ANY};
+use super::local::{ShardData, ShardMeta, ShardState, ShardWrite, WriteKind, BASE_ANY};
 use super::Node;
 use crate::error::{Error, Result};
 use crate::map::{ClusterMap, PoolInfo};
@@ -1208,23 +1208,24 @@ impl Node {
         targets: u64,
     ) -> Result<u64> {
         let full = kinds.iter().all(|k| k.0 == WriteKind::Full);
-        // This node's store takes its shard as one slice: join the units of one it holds.
-        let joined: Vec<Option<Vec<u8>>> = shards
+        // This node's store takes a data shard it holds as the units it is made of, in place
+        // (`ShardData::Parts`), without joining them.
+        let own_parts: Vec<Vec<&[u8]>> = shards
             .iter()
             .enumerate()
             .map(|(s, b)| match b {
-                ShardBytes::Units { .. } if ctx.acting.members[s] == Some(self.id) => {
-                    Some(b.to_vec())
+                ShardBytes::Units { units, .. } if ctx.acting.members[s] == Some(self.id) => {
+                    units.iter().map(|u| &u[..]).collect()
                 }
-                _ => None,
+                _ => Vec::new(),
             })
             .collect();
-        let bytes_of = |s: usize| -> &[u8] {
-            match (&shards[s], &joined[s]) {
-                (ShardBytes::Owned(v), _) => v,
-                (_, Some(j)) => j,
-                // Sent as parts (the header gets the length from `ShardBytes::len`).
-                (ShardBytes::Units { .. }, None) => &[],
+        let bytes_of = |s: usize| -> ShardData<'_> {
+            match &shards[s] {
+                ShardBytes::Owned(v) => ShardData::Flat(v),
+                // This node's own units; for another member's, nothing: they are sent as
+                // parts (the header gets the length from `ShardBytes::len`).
+                ShardBytes::Units { .. } => ShardData::Parts(&own_parts[s]),
             }
         };
         let deadline = Instant::now() + Duration::from_millis(self.cfg.write_wait_ms);
@@ -1690,7 +1691,8 @@ impl ShardBytes {
         }
     }
 
-    /// The bytes joined (this node's own shard, for its store).
+    /// The bytes joined (tests compare them).
+    #[cfg(test)]
     pub(super) fn to_vec(&self) -> Vec<u8> {
         match self {
             ShardBytes::Owned(v) => v.to_vec(),
@@ -1733,7 +1735,8 @@ fn encode_full_units(ctx: &Ctx, data: &Payload) -> Vec<ShardBytes> {
     let last = size - (stripes - 1) * w;
     let last_unit = last.clamp(1, u);
     let len = (stripes - 1) * u + last_unit;
-    let mut parity: Vec<Vec<u8>> = vec![vec![0u8; len]; n - k];
+    // One zeroed allocation each (`vec![v; n]` would zero one and copy it).
+    let mut parity: Vec<Vec<u8>> = (0..n - k).map(|_| vec![0u8; len]).collect();
     let whole = if last == w { stripes } else { stripes - 1 };
     for s in 0..whole {
         let mut p: SmallVec<[&mut [u8]; 4]> = parity

@@ -14,7 +14,7 @@ use ec::Shard;
 use messenger::{Payload, SendBuf};
 use tracing::{info, warn};
 
-use super::local::{ShardMeta, ShardWrite, WriteKind, BASE_ANY};
+use super::local::{ShardData, ShardMeta, ShardWrite, WriteKind, BASE_ANY};
 use super::primary::{bit, Ctx, ObjState, PgCache};
 use super::Node;
 use crate::error::{Error, Result};
@@ -161,7 +161,7 @@ impl Node {
             meta,
             offset: 0,
             xattrs: xattrs.clone(),
-            data: &data[&s],
+            data: ShardData::Flat(&data[&s]),
         };
         let reqs = data
             .keys()

@@ -44,6 +44,8 @@ const CONFLICT_RETRIES_MAX: u32 = 1000;
 enum Op<'a> {
     WriteFull(&'a [u8]),
     Replace(&'a [u8]),
+    /// A replace whose data is the concatenation of these slices.
+    ReplaceParts(Vec<&'a [u8]>),
     Write(u64, &'a [u8]),
     Append(&'a [u8]),
     Remove,
@@ -81,6 +83,15 @@ impl<'a> Transaction<'a> {
     /// xattrs set after it in the same transaction are the object's only ones.
     pub fn replace(&mut self, key: ObjectKey, data: &'a [u8]) -> &mut Self {
         self.ops.push((key, Op::Replace(data)));
+        self
+    }
+
+    /// [`Transaction::replace`] with the data given as the concatenation of `parts`, so a
+    /// caller holding it in pieces (a node's own data shard: the stripe units of the client's
+    /// request) need not join them first. Whole chunks inside one part are used in place like
+    /// a single slice's; a chunk that spans parts is assembled.
+    pub fn replace_parts(&mut self, key: ObjectKey, parts: &[&'a [u8]]) -> &mut Self {
+        self.ops.push((key, Op::ReplaceParts(parts.to_vec())));
         self
     }
 
@@ -291,7 +302,7 @@ impl<D: BlockDevice> Shared<D> {
         // the content whatever it was; xattrs changed after a replace (or a remove) in this
         // transaction start from an empty map of an object known to exist (or not).
         let needs_state = match op {
-            Op::WriteFull(_) | Op::Replace(_) => false,
+            Op::WriteFull(_) | Op::Replace(_) | Op::ReplaceParts(_) => false,
             Op::SetXattr(..) | Op::RmXattr(_) => !o.xattrs_cleared,
             _ => true,
         };
@@ -341,6 +352,21 @@ impl<D: BlockDevice> Shared<D> {
                 }
                 self.write_at(o, 0, data)?;
                 o.size = data.len() as u64;
+            }
+            Op::ReplaceParts(parts) => {
+                let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
+                check_size(total)?;
+                o.chunks.clear();
+                o.size = 0;
+                o.exists = true;
+                o.xattrs = None;
+                o.xattrs_cleared = true;
+                let mut at = 0u64;
+                for p in parts {
+                    self.write_at(o, at, p)?;
+                    at += p.len() as u64;
+                }
+                o.size = total;
             }
             Op::Write(off, data) => {
                 o.blind = false;

@@ -12,8 +12,10 @@ use proptest::prelude::*;
 #[derive(Debug, Clone)]
 enum Op {
     WriteFull(u8, usize, u64),
-    /// A replace, then this many xattrs set in the same transaction.
-    Replace(u8, usize, u64, u8),
+    /// A replace, then this many xattrs set in the same transaction. With cuts, the data is
+    /// given as parts cut at these points (each taken modulo the length + 1; repeats make
+    /// empty parts): `replace_parts`.
+    Replace(u8, usize, u64, u8, Vec<u32>),
     Write(u8, u32, usize, u64),
     Append(u8, usize, u64),
     Remove(u8),
@@ -28,7 +30,7 @@ fn op() -> impl Strategy<Value = Op> {
     let len = prop_oneof![0usize..100, 0usize..70_000, 60_000usize..300_000];
     prop_oneof![
         3 => (k.clone(), len.clone(), any::<u64>()).prop_map(|(k, l, s)| Op::WriteFull(k, l, s)),
-        2 => (k.clone(), len.clone(), any::<u64>(), 0u8..3).prop_map(|(k, l, s, x)| Op::Replace(k, l, s, x)),
+        3 => (k.clone(), len.clone(), any::<u64>(), 0u8..3, proptest::collection::vec(any::<u32>(), 0..5)).prop_map(|(k, l, s, x, c)| Op::Replace(k, l, s, x, c)),
         3 => (k.clone(), 0u32..400_000, len.clone(), any::<u64>()).prop_map(|(k, o, l, s)| Op::Write(k, o, l, s)),
         2 => (k.clone(), len, any::<u64>()).prop_map(|(k, l, s)| Op::Append(k, l, s)),
         1 => k.clone().prop_map(Op::Remove),
@@ -63,11 +65,17 @@ proptest! {
                     s.write_full(&name(*k), &d).unwrap();
                     model.entry(*k).or_insert(Obj { data: vec![], xattrs: BTreeMap::new() }).data = d;
                 }
-                Op::Replace(k, l, seed, x) => {
+                Op::Replace(k, l, seed, x, cuts) => {
                     let d = data(*seed, *l);
                     let xs: Vec<(String, Vec<u8>)> = (0..*x).map(|n| (format!("x{n}"), data(n as u64, 10))).collect();
+                    let mut at: Vec<usize> = cuts.iter().map(|c| *c as usize % (d.len() + 1)).collect();
+                    at.sort_unstable();
+                    let parts: Vec<&[u8]> = std::iter::once(0).chain(at.iter().copied())
+                        .zip(at.iter().copied().chain(std::iter::once(d.len())))
+                        .map(|(a, b)| &d[a..b])
+                        .collect();
                     let mut t = nvstore_store::Transaction::new();
-                    t.replace(name(*k), &d);
+                    if cuts.is_empty() { t.replace(name(*k), &d); } else { t.replace_parts(name(*k), &parts); }
                     for (n, v) in &xs { t.set_xattr(name(*k), n, v); }
                     s.commit(t).unwrap();
                     model.insert(*k, Obj { data: d, xattrs: xs.into_iter().collect() });
