@@ -37,7 +37,7 @@ pub use conn::Connection;
 pub use error::{AuthFailure, Error, Result, Violation};
 pub use message::{Dispatcher, Incoming, OutMessage, RawBytes, Reply, Responder, SendBuf};
 pub use messenger::{Config, Messenger};
-pub use pool::Payload;
+pub use pool::{BufPool, Payload, RecvBuf};
 pub use stats::{MessengerStats, WorkerStats};
 pub use throttle::{ThrottleLimits, ThrottleStats};
 pub use timer::UserTimer;

@@ -301,6 +301,14 @@ impl Messenger {
         });
     }
 
+    /// The pool receive buffers come from: a caller building a large outgoing payload (a
+    /// primary's parity shards) can take one that the last receive or send returned, already
+    /// faulted in, instead of allocating and zeroing a fresh one. Its bytes are whatever the
+    /// last user left: write every byte you publish.
+    pub fn buf_pool(&self) -> &BufPool {
+        &self.shared.pool
+    }
+
     pub fn stats(&self) -> MessengerStats {
         let s = &self.shared;
         MessengerStats {

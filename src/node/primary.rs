@@ -22,7 +22,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ec::{Codec, Profile, Shard};
 use messenger::checksum::crc32c_combine;
-use messenger::{Incoming, OutMessage, Payload, SendBuf};
+use messenger::{BufPool, Incoming, OutMessage, Payload, SendBuf};
 use smallvec::SmallVec;
 
 use super::local::{ShardData, ShardMeta, ShardState, ShardWrite, WriteKind, BASE_ANY};
@@ -983,7 +983,7 @@ impl Node {
                 // as references to its stripe units, not gathered into new buffers.
                 let shards = match &data {
                     Cow::Borrowed(d) => match request.slice_of(d) {
-                        Some(units) => encode_full_units(ctx, &units),
+                        Some(units) => encode_full_units(ctx, &units, self.msgr().buf_pool()),
                         None => owned(encode_full(ctx, d)),
                     },
                     Cow::Owned(d) => owned(encode_full(ctx, d)),
@@ -1661,8 +1661,9 @@ struct Source<'a> {
 #[derive(Clone)]
 pub(super) enum ShardBytes {
     Owned(Arc<Vec<u8>>),
-    /// A data shard of a whole-object write: its stripe units, in order, as they lie in the
-    /// client's request (`len` bytes in all).
+    /// A shard of a whole-object write in pieces (`len` bytes in all): a data shard's stripe
+    /// units, in order, as they lie in the client's request, or a parity shard in one
+    /// messenger pool buffer.
     Units {
         units: Vec<Payload>,
         len: usize,
@@ -1709,7 +1710,7 @@ impl ShardBytes {
 /// shard is the list of its stripe units in `data` (shard j holds units j, j + k, j + 2k, …,
 /// which never need padding once clipped), and parity is encoded stripe by stripe straight
 /// from the payload. Only a short last stripe is copied, to zero-pad its units.
-fn encode_full_units(ctx: &Ctx, data: &Payload) -> Vec<ShardBytes> {
+fn encode_full_units(ctx: &Ctx, data: &Payload, pool: &BufPool) -> Vec<ShardBytes> {
     let (k, n, u) = (ctx.k(), ctx.n(), ctx.profile.stripe_unit());
     let w = k * u;
     let size = data.len();
@@ -1735,13 +1736,14 @@ fn encode_full_units(ctx: &Ctx, data: &Payload) -> Vec<ShardBytes> {
     let last = size - (stripes - 1) * w;
     let last_unit = last.clamp(1, u);
     let len = (stripes - 1) * u + last_unit;
-    // One zeroed allocation each (`vec![v; n]` would zero one and copy it).
-    let mut parity: Vec<Vec<u8>> = (0..n - k).map(|_| vec![0u8; len]).collect();
+    // Parity goes into messenger pool buffers (a recycled one is already faulted in and is
+    // not zeroed: the encode writes every byte that is published).
+    let mut parity: Vec<messenger::RecvBuf> = (0..n - k).map(|_| pool.take(len)).collect();
     let whole = if last == w { stripes } else { stripes - 1 };
     for s in 0..whole {
         let mut p: SmallVec<[&mut [u8]; 4]> = parity
             .iter_mut()
-            .map(|v| &mut v[s * u..(s + 1) * u])
+            .map(|v| &mut v.spare_mut()[s * u..(s + 1) * u])
             .collect();
         ctx.codec.encode_stripe(&data[s * w..(s + 1) * w], &mut p);
     }
@@ -1752,13 +1754,19 @@ fn encode_full_units(ctx: &Ctx, data: &Payload) -> Vec<ShardBytes> {
             let src = &data[at..(at + last_unit).min(size)];
             stripe[j * last_unit..j * last_unit + src.len()].copy_from_slice(src);
         }
-        let mut p: SmallVec<[&mut [u8]; 4]> =
-            parity.iter_mut().map(|v| &mut v[whole * u..]).collect();
+        let mut p: SmallVec<[&mut [u8]; 4]> = parity
+            .iter_mut()
+            .map(|v| &mut v.spare_mut()[whole * u..len])
+            .collect();
         ctx.codec.encode_stripe(&stripe, &mut p);
     }
     for (i, mut v) in parity.into_iter().enumerate() {
-        v.truncate(ctx.clip(k + i, size as u64) as usize);
-        shards.push(ShardBytes::owned(v));
+        v.advance(len);
+        let clip = (ctx.clip(k + i, size as u64) as usize).min(len);
+        shards.push(ShardBytes::Units {
+            units: vec![v.freeze(0, clip)],
+            len: clip,
+        });
     }
     debug_assert!(shards
         .iter()
@@ -1833,7 +1841,7 @@ mod tests {
     proptest! {
         /// Shards sent as references to the request's stripe units are the bytes the
         /// gathering encoder makes: every slot, every size (whole, short and one-byte last
-        /// stripes), several profiles.
+        /// stripes), several profiles; parity in recycled pool buffers full of old bytes.
         #[test]
         fn shards_from_units_match_the_gathered_encode(
             profile in prop_oneof![Just((6u32, 2u32, 4096u32)), Just((4, 2, 8192)), Just((2, 1, 4096))],
@@ -1849,7 +1857,15 @@ mod tests {
             req.extend_from_slice(&bytes);
             req.extend_from_slice(&[9u8; 5]);
             let req = Payload::from_vec(req);
-            let got = encode_full_units(&ctx, &req.slice(13, size));
+            // Parity buffers come back from the pool holding whatever their last user wrote.
+            let pool = BufPool::new();
+            let dirty: Vec<_> = [1usize, 1 << 16, 1 << 17, 1 << 18].iter().flat_map(|&l| [l, l]).map(|l| {
+                let mut b = pool.take(l);
+                b.spare_mut().fill(0xEE);
+                b
+            }).collect();
+            drop(dirty);
+            let got = encode_full_units(&ctx, &req.slice(13, size), &pool);
             prop_assert_eq!(got.len(), want.len());
             for (slot, (g, w)) in got.iter().zip(&want).enumerate() {
                 prop_assert_eq!(g.len(), w.len(), "slot {} length", slot);
