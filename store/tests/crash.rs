@@ -36,7 +36,8 @@ type Model = BTreeMap<String, Obj>;
 #[derive(Clone)]
 enum TOp {
     WriteFull(String, Vec<u8>),
-    Replace(String, Vec<u8>),
+    /// Given as parts cut at these offsets (`replace_parts`) when there are any.
+    Replace(String, Vec<u8>, Vec<usize>),
     Write(String, u64, Vec<u8>),
     Append(String, Vec<u8>),
     Remove(String),
@@ -48,7 +49,10 @@ impl std::fmt::Debug for TOp {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             TOp::WriteFull(k, d) => write!(f, "write_full({k}, {} bytes)", d.len()),
-            TOp::Replace(k, d) => write!(f, "replace({k}, {} bytes)", d.len()),
+            TOp::Replace(k, d, c) if c.is_empty() => write!(f, "replace({k}, {} bytes)", d.len()),
+            TOp::Replace(k, d, c) => {
+                write!(f, "replace_parts({k}, {} bytes, cut at {c:?})", d.len())
+            }
             TOp::Write(k, o, d) => write!(f, "write({k}, @{o}, {} bytes)", d.len()),
             TOp::Append(k, d) => write!(f, "append({k}, {} bytes)", d.len()),
             TOp::Remove(k) => write!(f, "remove({k})"),
@@ -70,7 +74,7 @@ fn apply(model: &mut Model, ops: &[TOp]) -> Result<(), ()> {
                 });
                 o.data = d.clone();
             }
-            TOp::Replace(k, d) => {
+            TOp::Replace(k, d, _) => {
                 m.insert(
                     k.clone(),
                     Obj {
@@ -135,7 +139,23 @@ fn gen_txn(rng: &mut ChaCha8Rng, keys: &[String], model: &Model, big: bool) -> V
             let seed = rng.gen::<u64>();
             match rng.gen_range(0..100) {
                 0..=29 => TOp::WriteFull(k, data(seed, size(rng, big))),
-                30..=39 => TOp::Replace(k, data(seed, size(rng, big))),
+                30..=39 => {
+                    let d = data(seed, size(rng, big));
+                    // Half as parts: cut at stripe units (whole chunks, as a node's own data
+                    // shard) or at random points.
+                    let cuts = match rng.gen_range(0..4) {
+                        0 => (1..=d.len() / (64 << 10)).map(|i| i * (64 << 10)).collect(),
+                        1 => {
+                            let mut c: Vec<usize> = (0..rng.gen_range(1..5))
+                                .map(|_| rng.gen_range(0..=d.len()))
+                                .collect();
+                            c.sort_unstable();
+                            c
+                        }
+                        _ => Vec::new(),
+                    };
+                    TOp::Replace(k, d, cuts)
+                }
                 40..=59 => {
                     let cur = model.get(&k).map_or(0, |o| o.data.len() as u64);
                     let off = rng.gen_range(0..=cur + 70_000);
@@ -166,7 +186,15 @@ fn run_txn(s: &Store<SimDevice>, ops: &[TOp]) -> Result<u64, StoreError> {
     for op in ops {
         match op {
             TOp::WriteFull(k, d) => t.write_full(skey(k), d),
-            TOp::Replace(k, d) => t.replace(skey(k), d),
+            TOp::Replace(k, d, c) if c.is_empty() => t.replace(skey(k), d),
+            TOp::Replace(k, d, c) => {
+                let bounds: Vec<usize> = std::iter::once(0)
+                    .chain(c.iter().copied())
+                    .chain(std::iter::once(d.len()))
+                    .collect();
+                let parts: Vec<&[u8]> = bounds.windows(2).map(|w| &d[w[0]..w[1]]).collect();
+                t.replace_parts(skey(k), &parts)
+            }
             TOp::Write(k, off, d) => t.write(skey(k), *off, d),
             TOp::Append(k, d) => t.append(skey(k), d),
             TOp::Remove(k) => t.remove(skey(k)),
