@@ -341,26 +341,21 @@ impl<D: BlockDevice> Shared<D> {
                     });
                 }
             }
-            Op::WriteFull(data) | Op::Replace(data) => {
-                check_size(data.len() as u64)?;
-                o.chunks.clear();
-                o.size = 0;
-                o.exists = true;
-                if matches!(op, Op::Replace(_)) {
-                    o.xattrs = None;
-                    o.xattrs_cleared = true;
-                }
-                self.write_at(o, 0, data)?;
-                o.size = data.len() as u64;
-            }
-            Op::ReplaceParts(parts) => {
+            Op::WriteFull(_) | Op::Replace(_) | Op::ReplaceParts(_) => {
+                let parts: &[&[u8]] = match op {
+                    Op::WriteFull(d) | Op::Replace(d) => std::slice::from_ref(d),
+                    Op::ReplaceParts(p) => p,
+                    _ => unreachable!("matched above"),
+                };
                 let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
                 check_size(total)?;
                 o.chunks.clear();
                 o.size = 0;
                 o.exists = true;
-                o.xattrs = None;
-                o.xattrs_cleared = true;
+                if !matches!(op, Op::WriteFull(_)) {
+                    o.xattrs = None;
+                    o.xattrs_cleared = true;
+                }
                 let mut at = 0u64;
                 for p in parts {
                     self.write_at(o, at, p)?;
