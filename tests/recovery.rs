@@ -449,6 +449,8 @@ fn shard_write_payload(pool: u64, pg: u32, name: &[u8], epoch: u64, data: &[u8])
         offset: 0,
         xattrs: vec![],
         data: nvstore::node::local::ShardData::Flat(data),
+        chunk_crcs: Vec::new(),
+        listed_crcs: Vec::new(),
     };
     let mut payload = w.encode_header(epoch);
     payload.extend_from_slice(data);

@@ -458,6 +458,8 @@ fn zero_parity(h: &Harness, pool: u64, name: &str) -> u64 {
         offset: 0,
         xattrs: vec![],
         data: ShardData::Flat(&zeros),
+        chunk_crcs: Vec::new(),
+        listed_crcs: Vec::new(),
     };
     let mut payload = write.encode_header(map.epoch);
     payload.extend_from_slice(&zeros);

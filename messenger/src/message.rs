@@ -241,6 +241,8 @@ pub struct Incoming {
     pub(crate) _ticket: Option<Ticket>,
     /// How long the connection waited for throttle capacity before this message was read.
     pub(crate) throttled: Option<std::time::Duration>,
+    /// CRC-32C of the payload, verified against the frame's trailer.
+    pub(crate) payload_crc: u32,
 }
 
 impl Incoming {
@@ -259,6 +261,13 @@ impl Incoming {
     /// The payload bytes, in a pooled receive buffer (no copy was made).
     pub fn payload(&self) -> &Payload {
         &self.payload
+    }
+
+    /// CRC-32C of the whole payload, which the receiving worker summed and checked against
+    /// the frame's trailer: a handler can check that CRCs the sender listed for parts of the
+    /// payload describe them (`checksum::crc32c_combine`) without summing those bytes again.
+    pub fn payload_crc(&self) -> u32 {
+        self.payload_crc
     }
 
     pub fn is_request(&self) -> bool {

@@ -231,6 +231,13 @@ pub struct ShardWrite<'a> {
     /// Full: the complete set; Range/Meta: changes (`None` removes).
     pub xattrs: Vec<(String, Option<Vec<u8>>)>,
     pub data: ShardData<'a>,
+    /// (length, CRC-32C) of consecutive pieces of `data`, tiling it, known to describe it:
+    /// the primary's own sums, or a member's list that [`ShardWrite::vouch`] checked against
+    /// the frame's CRC. A whole-shard write whose pieces are the store's chunks records these
+    /// instead of summing the bytes again. Empty: unknown.
+    pub chunk_crcs: Vec<(u32, u32)>,
+    /// The list as the message carried it, not yet checked (see [`ShardWrite::vouch`]).
+    pub listed_crcs: Vec<(u32, u32)>,
 }
 
 impl<'a> ShardWrite<'a> {
@@ -271,7 +278,28 @@ impl<'a> ShardWrite<'a> {
         let meta = ShardMeta::decode(d)?;
         let offset = d.u64()?;
         let xattrs = decode_xattr_changes(d)?;
-        let data = ShardData::Flat(d.bytes()?);
+        let bytes = d.bytes()?;
+        let data = ShardData::Flat(bytes);
+        // Optionally, after the data: n u32, n × (length u32, crc32c u32) of its pieces.
+        let mut listed_crcs = Vec::new();
+        if d.remaining() > 0 {
+            let n = d.u32()? as usize;
+            if n > d.remaining() / 8 {
+                return Err(Error::Malformed(
+                    "shard write: chunk crc list is short".into(),
+                ));
+            }
+            listed_crcs = (0..n)
+                .map(|_| Ok((d.u32()?, d.u32()?)))
+                .collect::<Result<Vec<_>>>()?;
+            let total: u64 = listed_crcs.iter().map(|&(l, _)| u64::from(l)).sum();
+            if total != bytes.len() as u64 {
+                return Err(Error::Malformed(format!(
+                    "shard write: chunk crcs cover {total} bytes of {}",
+                    bytes.len()
+                )));
+            }
+        }
         d.end()?;
         Ok(ShardWrite {
             pool,
@@ -284,8 +312,68 @@ impl<'a> ShardWrite<'a> {
             offset,
             xattrs,
             data,
+            chunk_crcs: Vec::new(),
+            listed_crcs,
         })
     }
+
+    /// Adopt the chunk CRCs the message listed if they describe the data: the receiving
+    /// messenger verified `payload_crc` over the whole `payload` (this write's bytes lie in
+    /// it), so the CRC of the bytes before the data, the listed CRCs combined, and the CRC of
+    /// the bytes after must combine to it. That costs a pass over the few bytes around the
+    /// data, not over the data. A list that does not add up (a sender bug: the bytes
+    /// themselves arrived intact) is dropped and the store sums the bytes.
+    /// Returns `None` when nothing was listed, else whether the list was adopted.
+    pub fn vouch(&mut self, payload: &[u8], payload_crc: u32) -> Option<bool> {
+        let listed = std::mem::take(&mut self.listed_crcs);
+        let ShardData::Flat(data) = self.data else {
+            return None;
+        };
+        if listed.is_empty() {
+            return None;
+        }
+        let start = (data.as_ptr() as usize).wrapping_sub(payload.as_ptr() as usize);
+        let Some(after) = payload.get(start.saturating_add(data.len())..) else {
+            return Some(false);
+        };
+        if start > payload.len() {
+            return Some(false);
+        }
+        use messenger::checksum::{crc32c, crc32c_combine};
+        let data_crc = listed
+            .iter()
+            .fold(0, |c, &(len, crc)| crc32c_combine(c, crc, len as usize));
+        let whole = crc32c_combine(
+            crc32c_combine(crc32c(&payload[..start]), data_crc, data.len()),
+            crc32c(after),
+            after.len(),
+        );
+        if whole == payload_crc {
+            self.chunk_crcs = listed;
+            Some(true)
+        } else {
+            tracing::warn!(
+                shard = self.shard,
+                "a shard write's chunk crc list does not describe its bytes; summing them"
+            );
+            Some(false)
+        }
+    }
+}
+
+/// The CRC of each store chunk of a whole shard of `len` bytes, from `pieces` (length, crc)
+/// that tile it, if each piece is exactly one chunk of `chunk_bytes` (the last one shorter).
+fn chunk_crcs_of(pieces: &[(u32, u32)], len: usize, chunk_bytes: u64) -> Option<Vec<u32>> {
+    let cb = chunk_bytes as usize;
+    if pieces.is_empty() || pieces.len() != len.div_ceil(cb) {
+        return None;
+    }
+    let last = pieces.len() - 1;
+    pieces
+        .iter()
+        .enumerate()
+        .all(|(i, &(l, _))| l as usize == if i == last { len - cb * last } else { cb })
+        .then(|| pieces.iter().map(|&(_, c)| c).collect())
 }
 
 /// A shard's state as `stat` reports it.
@@ -673,14 +761,24 @@ impl Local {
         match w.kind {
             // A replace needs no index search to prepare or check: the shard's xattrs are
             // all set below, and whatever it held is released when the commit applies.
-            WriteKind::Full => match w.data {
-                ShardData::Flat(d) => {
-                    t.replace(key.clone(), d);
-                }
-                ShardData::Parts(p) => {
-                    t.replace_parts(key.clone(), p);
-                }
-            },
+            WriteKind::Full => {
+                let flat;
+                let parts: &[&[u8]] = match &w.data {
+                    ShardData::Flat(d) => {
+                        flat = [*d];
+                        &flat
+                    }
+                    ShardData::Parts(p) => p,
+                };
+                match (
+                    chunk_crcs_of(&w.chunk_crcs, w.data.len(), st.chunk_bytes()),
+                    &w.data,
+                ) {
+                    (Some(crcs), _) => t.replace_parts_with_crcs(key.clone(), parts, &crcs),
+                    (None, ShardData::Flat(d)) => t.replace(key.clone(), d),
+                    (None, ShardData::Parts(p)) => t.replace_parts(key.clone(), p),
+                };
+            }
             WriteKind::Range => {
                 t.write(key.clone(), w.offset, &range);
             }
@@ -1247,7 +1345,87 @@ mod store_tests {
                 .map(|(k, v)| (k.to_string(), Some(v.to_vec())))
                 .collect(),
             data: ShardData::Flat(data),
+            chunk_crcs: Vec::new(),
+            listed_crcs: Vec::new(),
         }
+    }
+
+    /// A shard write as a primary sends it with its chunk CRC list: decoded, the list is
+    /// only *listed*; `vouch` adopts it when it combines to the payload CRC the messenger
+    /// verified, and drops a list with one wrong CRC (the bytes themselves intact). Applied
+    /// with vouched CRCs, the store records them (the shard reads back, its scrub is clean);
+    /// CRCs that are not the store's chunks are not used.
+    #[test]
+    fn chunk_crc_lists_are_vouched_against_the_payload_crc() {
+        use messenger::checksum::crc32c;
+        let cb = 64 << 10;
+        let data: Vec<u8> = (0..3 * cb + 100).map(|i| (i * 7 % 251) as u8).collect();
+        let pieces: Vec<(u32, u32)> = data
+            .chunks(cb)
+            .map(|c| (c.len() as u32, crc32c(c)))
+            .collect();
+        let message = |list: &[(u32, u32)]| {
+            let mut p = full(7, &data, &[("a", b"1")]).encode_header_len(3, data.len());
+            p.extend_from_slice(&data);
+            p.extend_from_slice(&(list.len() as u32).to_le_bytes());
+            for (l, c) in list {
+                p.extend_from_slice(&l.to_le_bytes());
+                p.extend_from_slice(&c.to_le_bytes());
+            }
+            p
+        };
+        let decode = |p: &[u8]| {
+            let mut d = Dec::new(p);
+            d.u64().unwrap();
+            let mut w = ShardWrite::decode(&mut d).unwrap();
+            assert!(w.chunk_crcs.is_empty(), "decoding vouches for nothing");
+            let adopted = w.vouch(p, crc32c(p));
+            assert_eq!(adopted, Some(!w.chunk_crcs.is_empty()));
+            (w.chunk_crcs.clone(), w.data.len())
+        };
+        let p = message(&pieces);
+        assert_eq!(decode(&p), (pieces.clone(), data.len()));
+        let mut wrong = pieces.clone();
+        wrong[2].1 ^= 1;
+        assert_eq!(
+            decode(&message(&wrong)).0,
+            vec![],
+            "a wrong crc drops the list"
+        );
+        // A list that does not cover the data is malformed.
+        let short = message(&pieces[..3]);
+        let mut d = Dec::new(&short);
+        d.u64().unwrap();
+        assert!(ShardWrite::decode(&mut d).is_err());
+        // Without a list (an older primary, or recovery writes): nothing listed.
+        let mut d = Dec::new(&p[..p.len() - 4 - 8 * pieces.len()]);
+        d.u64().unwrap();
+        assert!(ShardWrite::decode(&mut d).unwrap().listed_crcs.is_empty());
+
+        // Only pieces that are the store's chunks are used.
+        assert_eq!(
+            chunk_crcs_of(&pieces, data.len(), cb as u64),
+            Some(pieces.iter().map(|p| p.1).collect())
+        );
+        assert_eq!(chunk_crcs_of(&pieces, data.len(), 4096), None);
+        let halves: Vec<(u32, u32)> = data
+            .chunks(cb / 2)
+            .map(|c| (c.len() as u32, crc32c(c)))
+            .collect();
+        assert_eq!(chunk_crcs_of(&halves, data.len(), cb as u64), None);
+
+        // Applied with vouched CRCs: recorded, and they are right.
+        let (_dir, l) = local();
+        let mut d = Dec::new(&p);
+        d.u64().unwrap();
+        let mut w = ShardWrite::decode(&mut d).unwrap();
+        w.vouch(&p, crc32c(&p));
+        l.apply(&w).unwrap();
+        let st = l.store(1, 3);
+        let key = ObjectKey::new(1, b"obj", 2);
+        assert_eq!(st.read_vec(&key, 0, u64::MAX).unwrap(), data);
+        let r = st.scrub();
+        assert!(r.corrupt.is_empty() && r.errors.is_empty(), "{r:?}");
     }
 
     /// The shard's state less its rollback record (one level of undo is kept).

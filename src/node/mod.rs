@@ -101,6 +101,10 @@ pub struct Counters {
     /// Shard ops refused because the node had not registered yet, or its map had not reached
     /// its boot epoch within `EPOCH_WAIT`.
     pub boot_gate_refused: AtomicU64,
+    /// Shard writes whose chunk CRC list combined to the verified payload CRC (the store
+    /// recorded those instead of summing), and those whose list did not (summed instead).
+    pub shard_crcs_vouched: AtomicU64,
+    pub shard_crcs_dropped: AtomicU64,
 }
 
 /// A client op waiting on its PG: the message and its tracking.
@@ -617,8 +621,13 @@ impl Node {
         let epoch = d.u64()?;
         match msg.msg_type() {
             wire::MSG_SHARD_WRITE => {
-                let w = ShardWrite::decode(&mut d)?;
+                let mut w = ShardWrite::decode(&mut d)?;
                 self.check_shard_sender(msg, epoch, w.pool, w.pg)?;
+                match w.vouch(p, msg.payload_crc()) {
+                    Some(true) => self.counters.shard_crcs_vouched.fetch_add(1, Relaxed),
+                    Some(false) => self.counters.shard_crcs_dropped.fetch_add(1, Relaxed),
+                    None => 0,
+                };
                 self.local.apply(&w)?;
                 Ok(vec![SendBuf::Vec(wire::reply_ok(self.epoch(), &[]))])
             }

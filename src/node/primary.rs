@@ -1220,6 +1220,20 @@ impl Node {
                 _ => Vec::new(),
             })
             .collect();
+        // Each piece of a whole shard summed once: the sums make the frame CRC of its message
+        // (combined, not summed again), travel after the data as its chunk CRC list, and are
+        // what the member's store — or this node's, for its own shard — records for the
+        // chunks (a stripe unit is a store chunk with the default profile and store).
+        let piece_crcs: Vec<Vec<(u32, u32)>> = shards
+            .iter()
+            .map(|b| match b {
+                ShardBytes::Units { units, .. } if full => units
+                    .iter()
+                    .map(|u| (u.len() as u32, messenger::checksum::crc32c(u)))
+                    .collect(),
+                _ => Vec::new(),
+            })
+            .collect();
         let bytes_of = |s: usize| -> ShardData<'_> {
             match &shards[s] {
                 ShardBytes::Owned(v) => ShardData::Flat(v),
@@ -1286,13 +1300,15 @@ impl Node {
                     offset: kinds[s].1,
                     xattrs: xattrs.to_vec(),
                     data: bytes_of(s),
+                    chunk_crcs: piece_crcs[s].clone(),
+                    listed_crcs: Vec::new(),
                 };
                 let reqs = todo
                     .iter()
                     .map(|&s| {
                         let head = write(s).encode_header_len(ctx_map.epoch, shards[s].len());
                         let mut parts = vec![SendBuf::Vec(head)];
-                        shards[s].push_parts(&mut parts);
+                        shards[s].push_parts_with_crcs(&piece_crcs[s], &mut parts);
                         (s, parts)
                     })
                     .collect();
@@ -1658,6 +1674,25 @@ struct Source<'a> {
 }
 
 /// One slot's bytes for a shard write.
+/// A stripe unit sent with its CRC, which the frame's CRC combines instead of summing the
+/// bytes again.
+struct SummedUnit {
+    unit: Payload,
+    crc: u32,
+}
+
+// SAFETY: the bytes are a received payload (or a pool buffer frozen after the encode wrote
+// it), which nothing writes while a view of it lives; this part holds one.
+unsafe impl messenger::RawBytes for SummedUnit {
+    fn raw(&self) -> (*const u8, usize) {
+        (self.unit.as_ptr(), self.unit.len())
+    }
+
+    fn crc32c_append(&self, crc: u32) -> u32 {
+        crc32c_combine(crc, self.crc, self.unit.len())
+    }
+}
+
 #[derive(Clone)]
 pub(super) enum ShardBytes {
     Owned(Arc<Vec<u8>>),
@@ -1679,6 +1714,28 @@ impl ShardBytes {
         match self {
             ShardBytes::Owned(v) => v.len(),
             ShardBytes::Units { len, .. } => *len,
+        }
+    }
+
+    /// [`ShardBytes::push_parts`] for a shard write with its pieces' sums (`crcs`, one per
+    /// unit, or none): each unit goes out with its CRC, so the frame's CRC is combined from
+    /// them instead of summed, and the list follows the data (docs/format.md, SHARD_WRITE).
+    fn push_parts_with_crcs(&self, crcs: &[(u32, u32)], parts: &mut Vec<SendBuf>) {
+        match self {
+            ShardBytes::Units { units, .. } if crcs.len() == units.len() => {
+                let mut list = Vec::with_capacity(4 + 8 * crcs.len());
+                list.extend_from_slice(&(crcs.len() as u32).to_le_bytes());
+                for (u, &(len, crc)) in units.iter().zip(crcs) {
+                    parts.push(SendBuf::Raw(Box::new(SummedUnit {
+                        unit: u.clone(),
+                        crc,
+                    })));
+                    list.extend_from_slice(&len.to_le_bytes());
+                    list.extend_from_slice(&crc.to_le_bytes());
+                }
+                parts.push(SendBuf::Vec(list));
+            }
+            _ => self.push_parts(parts),
         }
     }
 
@@ -1763,10 +1820,12 @@ fn encode_full_units(ctx: &Ctx, data: &Payload, pool: &BufPool) -> Vec<ShardByte
     for (i, mut v) in parity.into_iter().enumerate() {
         v.advance(len);
         let clip = (ctx.clip(k + i, size as u64) as usize).min(len);
-        shards.push(ShardBytes::Units {
-            units: vec![v.freeze(0, clip)],
-            len: clip,
-        });
+        // In stripe units, like a data shard: a unit is a store chunk (default profile).
+        let units = (0..clip)
+            .step_by(u)
+            .map(|at| v.freeze(at, u.min(clip - at)))
+            .collect();
+        shards.push(ShardBytes::Units { units, len: clip });
     }
     debug_assert!(shards
         .iter()

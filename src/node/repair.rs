@@ -162,6 +162,8 @@ impl Node {
             offset: 0,
             xattrs: xattrs.clone(),
             data: ShardData::Flat(&data[&s]),
+            chunk_crcs: Vec::new(),
+            listed_crcs: Vec::new(),
         };
         let reqs = data
             .keys()

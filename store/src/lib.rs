@@ -180,6 +180,11 @@ impl<D: BlockDevice + 'static> Store<D> {
         &self.sh.label
     }
 
+    /// The size of the chunks objects are stored in (each with its own CRC).
+    pub fn chunk_bytes(&self) -> u64 {
+        self.sh.chunk_bytes
+    }
+
     pub fn device(&self) -> &D {
         &self.sh.dev
     }

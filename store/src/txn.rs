@@ -44,8 +44,9 @@ const CONFLICT_RETRIES_MAX: u32 = 1000;
 enum Op<'a> {
     WriteFull(&'a [u8]),
     Replace(&'a [u8]),
-    /// A replace whose data is the concatenation of these slices.
-    ReplaceParts(Vec<&'a [u8]>),
+    /// A replace whose data is the concatenation of these slices, and optionally the CRC of
+    /// each chunk of it, which the caller vouches for.
+    ReplaceParts(Vec<&'a [u8]>, Option<Vec<u32>>),
     Write(u64, &'a [u8]),
     Append(&'a [u8]),
     Remove,
@@ -91,7 +92,26 @@ impl<'a> Transaction<'a> {
     /// request) need not join them first. Whole chunks inside one part are used in place like
     /// a single slice's; a chunk that spans parts is assembled.
     pub fn replace_parts(&mut self, key: ObjectKey, parts: &[&'a [u8]]) -> &mut Self {
-        self.ops.push((key, Op::ReplaceParts(parts.to_vec())));
+        self.ops.push((key, Op::ReplaceParts(parts.to_vec(), None)));
+        self
+    }
+
+    /// [`Transaction::replace_parts`] with the CRC-32C of each of the data's chunks
+    /// ([`Store::chunk_bytes`] each, the last one shorter), which the store records instead of
+    /// summing the bytes again: a node whose messenger has just verified the bytes against a
+    /// frame CRC made of these (a shard write's chunk CRCs) saves a pass over them. The caller
+    /// vouches for them: a wrong one is recorded, and reading that chunk then fails as
+    /// `Corrupted` (never returns wrong bytes). Their number must be the data's chunk count.
+    pub fn replace_parts_with_crcs(
+        &mut self,
+        key: ObjectKey,
+        parts: &[&'a [u8]],
+        chunk_crcs: &[u32],
+    ) -> &mut Self {
+        self.ops.push((
+            key,
+            Op::ReplaceParts(parts.to_vec(), Some(chunk_crcs.to_vec())),
+        ));
         self
     }
 
@@ -164,6 +184,9 @@ struct Obj {
     blind: bool,
     /// Some op changes the object (not just asserts).
     dirty: bool,
+    /// The CRC of each chunk, given by the caller with the replace that made the content
+    /// (`replace_parts_with_crcs`); dropped by any later op that changes the data.
+    known_crcs: Option<Vec<u32>>,
 }
 
 impl<D: BlockDevice> Shared<D> {
@@ -182,6 +205,7 @@ impl<D: BlockDevice> Shared<D> {
             removed: false,
             blind: true,
             dirty: false,
+            known_crcs: None,
         }
     }
 
@@ -302,7 +326,7 @@ impl<D: BlockDevice> Shared<D> {
         // the content whatever it was; xattrs changed after a replace (or a remove) in this
         // transaction start from an empty map of an object known to exist (or not).
         let needs_state = match op {
-            Op::WriteFull(_) | Op::Replace(_) | Op::ReplaceParts(_) => false,
+            Op::WriteFull(_) | Op::Replace(_) | Op::ReplaceParts(..) => false,
             Op::SetXattr(..) | Op::RmXattr(_) => !o.xattrs_cleared,
             _ => true,
         };
@@ -314,6 +338,17 @@ impl<D: BlockDevice> Shared<D> {
             Op::AssertExists | Op::AssertAbsent | Op::AssertVersion(_)
         ) {
             o.dirty = true;
+        }
+        if !matches!(
+            op,
+            Op::AssertExists
+                | Op::AssertAbsent
+                | Op::AssertVersion(_)
+                | Op::SetXattr(..)
+                | Op::RmXattr(_)
+        ) {
+            // The data changes: CRCs given for an earlier content no longer describe it.
+            o.known_crcs = None;
         }
         match op {
             Op::AssertExists => {
@@ -341,14 +376,23 @@ impl<D: BlockDevice> Shared<D> {
                     });
                 }
             }
-            Op::WriteFull(_) | Op::Replace(_) | Op::ReplaceParts(_) => {
-                let parts: &[&[u8]] = match op {
-                    Op::WriteFull(d) | Op::Replace(d) => std::slice::from_ref(d),
-                    Op::ReplaceParts(p) => p,
+            Op::WriteFull(_) | Op::Replace(_) | Op::ReplaceParts(..) => {
+                let (parts, crcs): (&[&[u8]], _) = match op {
+                    Op::WriteFull(d) | Op::Replace(d) => (std::slice::from_ref(d), None),
+                    Op::ReplaceParts(p, c) => (p, c.as_ref()),
                     _ => unreachable!("matched above"),
                 };
                 let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
                 check_size(total)?;
+                if let Some(c) = crcs {
+                    let chunks = total.div_ceil(self.chunk_bytes);
+                    if c.len() as u64 != chunks {
+                        return Err(StoreError::Invalid(format!(
+                            "{} chunk CRCs given for {total} bytes, which are {chunks} chunks",
+                            c.len()
+                        )));
+                    }
+                }
                 o.chunks.clear();
                 o.size = 0;
                 o.exists = true;
@@ -362,6 +406,7 @@ impl<D: BlockDevice> Shared<D> {
                     at += p.len() as u64;
                 }
                 o.size = total;
+                o.known_crcs = crcs.cloned();
             }
             Op::Write(off, data) => {
                 o.blind = false;
@@ -479,6 +524,8 @@ impl<D: BlockDevice> Shared<D> {
                     dma && matches!(c, Chunk::Lent(l) if crate::commit::lent_len(l) as u64 == cb)
                 })
                 .collect();
+            // CRCs the caller gave with the replace that made the content (one per chunk).
+            let known = o.known_crcs.as_deref();
             let mut chunks: Vec<ChunkSrc> = Vec::with_capacity(o.chunks.len());
             // The open run: (index of its first chunk, chunks it holds, chunks filled).
             let mut run: Option<(usize, usize, usize)> = None;
@@ -490,7 +537,7 @@ impl<D: BlockDevice> Shared<D> {
                     Chunk::Hole => (ChunkSrc::Hole, None),
                     Chunk::Lent(l) => {
                         let bytes = crate::commit::lent_bytes(&l);
-                        let crc = crate::data_crc(bytes);
+                        let crc = known.map_or_else(|| crate::data_crc(bytes), |k| k[i]);
                         if run.is_some_and(|(_, n, filled)| filled == n) {
                             run = None;
                         }
@@ -525,7 +572,7 @@ impl<D: BlockDevice> Shared<D> {
                         (ChunkSrc::New(src, crc), Some(crc))
                     }
                     Chunk::Owned(v) => {
-                        let crc = crate::data_crc(&v);
+                        let crc = known.map_or_else(|| crate::data_crc(&v), |k| k[i]);
                         (ChunkSrc::New(DataRef::Owned(v), crc), Some(crc))
                     }
                 };

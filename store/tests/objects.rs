@@ -703,3 +703,68 @@ fn replace_parts_stores_what_replace_of_the_joined_bytes_does() {
     let r = s.scrub();
     assert!(r.corrupt.is_empty() && r.errors.is_empty(), "{r:?}");
 }
+
+/// `replace_parts_with_crcs` records the caller's chunk CRCs instead of summing the bytes:
+/// right ones read back and scrub clean, with the same content checksum as a plain replace; a
+/// wrong one is recorded, so that chunk then reads as `Corrupted` (expected = the given CRC,
+/// found = the bytes') and never as wrong bytes, and the other chunks still read; a count
+/// that is not the chunk count is refused and changes nothing; a later data op on the object
+/// in the same transaction drops the given CRCs.
+#[test]
+fn replace_parts_with_crcs_records_the_given_crcs() {
+    let (_dev, s) = fresh(64, 13);
+    let cb = s.chunk_bytes() as usize;
+    let d = data(5, 3 * cb + 100);
+    let parts: Vec<&[u8]> = d.chunks(cb).collect();
+    let crcs: Vec<u32> = parts.iter().map(|p| crc32c::crc32c(p)).collect();
+    assert_eq!(crcs.len(), 4);
+
+    let (good, plain) = (key("with-crcs"), key("plain"));
+    let mut t = Transaction::new();
+    t.replace_parts_with_crcs(good.clone(), &parts, &crcs);
+    t.replace(plain.clone(), &d);
+    s.commit(t).unwrap();
+    assert_eq!(s.read_vec(&good, 0, u64::MAX).unwrap(), d);
+    assert_eq!(
+        s.stat(&good).unwrap().checksum,
+        s.stat(&plain).unwrap().checksum
+    );
+    let r = s.scrub();
+    assert!(r.corrupt.is_empty() && r.errors.is_empty(), "{r:?}");
+
+    // A count that is not the chunk count: refused, nothing changes.
+    let mut t = Transaction::new();
+    t.replace_parts_with_crcs(good.clone(), &parts[..1], &crcs);
+    assert!(matches!(s.commit(t), Err(StoreError::Invalid(_))));
+    assert_eq!(s.read_vec(&good, 0, u64::MAX).unwrap(), d);
+
+    // A wrong CRC is what the store records: that chunk fails, the others read.
+    let bad = key("wrong-crc");
+    let mut wrong = crcs.clone();
+    wrong[1] ^= 0x5555;
+    let mut t = Transaction::new();
+    t.replace_parts_with_crcs(bad.clone(), &parts, &wrong);
+    s.commit(t).unwrap();
+    match s.read_vec(&bad, 0, u64::MAX) {
+        Err(StoreError::Corrupted {
+            expected, found, ..
+        }) => assert_eq!((expected, found), (wrong[1], crcs[1])),
+        other => panic!("a chunk recorded with a wrong CRC read as {other:?}"),
+    }
+    assert_eq!(s.read_vec(&bad, 0, cb as u64).unwrap(), &d[..cb]);
+    assert_eq!(
+        s.read_vec(&bad, 2 * cb as u64, u64::MAX).unwrap(),
+        &d[2 * cb..]
+    );
+    assert_eq!(s.scrub().corrupt.len(), 1);
+
+    // A write after it in the same transaction: the store sums the result itself.
+    let later = key("written-after");
+    let mut t = Transaction::new();
+    t.replace_parts_with_crcs(later.clone(), &parts, &wrong)
+        .write(later.clone(), 10, b"changed");
+    s.commit(t).unwrap();
+    let mut want = d.clone();
+    want[10..17].copy_from_slice(b"changed");
+    assert_eq!(s.read_vec(&later, 0, u64::MAX).unwrap(), want);
+}

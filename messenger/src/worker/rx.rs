@@ -186,7 +186,7 @@ impl Worker {
                 let l = c.rx.large.take().expect("checked above");
                 check_payload_crc(l.crc, l.trailer)?;
                 let payload = l.buf.freeze(0, l.header.payload_len as usize);
-                self.deliver(c, l.header, payload)?;
+                self.deliver(c, l.header, payload, l.crc)?;
                 continue;
             }
             let avail = c.rx.buffered();
@@ -231,7 +231,7 @@ impl Worker {
                 check_payload(&data[p0..p0 + plen], trailer)?;
                 let payload = c.rx.freeze(p0, plen);
                 c.rx.start += total;
-                self.deliver(c, header, payload)?;
+                self.deliver(c, header, payload, u32::from_le_bytes(trailer))?;
                 continue;
             }
             if plen < LARGE_PAYLOAD_BYTES_MIN {
@@ -333,11 +333,12 @@ impl Worker {
         c: &mut Conn,
         header: Header,
         payload: Payload,
+        payload_crc: u32,
     ) -> Result<(), Close> {
         self.ctx.counters.frames_in.add(1);
         match header.kind {
             FrameKind::Request | FrameKind::OneWay => {
-                self.dispatch(c, &header, payload);
+                self.dispatch(c, &header, payload, payload_crc);
                 Ok(())
             }
             FrameKind::Reply => {
@@ -348,7 +349,13 @@ impl Worker {
         }
     }
 
-    pub(super) fn dispatch(&mut self, c: &mut Conn, header: &Header, payload: Payload) {
+    pub(super) fn dispatch(
+        &mut self,
+        c: &mut Conn,
+        header: &Header,
+        payload: Payload,
+        payload_crc: u32,
+    ) {
         let ticket = Ticket {
             _conn: c.conn_hold.take().expect("admitted"),
             _global: c.global_hold.take().expect("admitted"),
@@ -366,6 +373,7 @@ impl Worker {
             responder,
             _ticket: Some(ticket),
             throttled: c.paused_at.take().map(|t| t.elapsed()),
+            payload_crc,
         };
         let d = &self.ctx.shared.dispatcher;
         if d.runs_inline(header.msg_type) || self.ctx.lanes.is_empty() {
