@@ -36,8 +36,9 @@ type Model = BTreeMap<String, Obj>;
 #[derive(Clone)]
 enum TOp {
     WriteFull(String, Vec<u8>),
-    /// Given as parts cut at these offsets (`replace_parts`) when there are any.
-    Replace(String, Vec<u8>, Vec<usize>),
+    /// Given as parts cut at these offsets (`replace_parts`) when there are any; with the
+    /// chunks' CRCs (`replace_parts_with_crcs`) when the flag is set.
+    Replace(String, Vec<u8>, Vec<usize>, bool),
     Write(String, u64, Vec<u8>),
     Append(String, Vec<u8>),
     Remove(String),
@@ -49,10 +50,14 @@ impl std::fmt::Debug for TOp {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             TOp::WriteFull(k, d) => write!(f, "write_full({k}, {} bytes)", d.len()),
-            TOp::Replace(k, d, c) if c.is_empty() => write!(f, "replace({k}, {} bytes)", d.len()),
-            TOp::Replace(k, d, c) => {
-                write!(f, "replace_parts({k}, {} bytes, cut at {c:?})", d.len())
+            TOp::Replace(k, d, c, _) if c.is_empty() => {
+                write!(f, "replace({k}, {} bytes)", d.len())
             }
+            TOp::Replace(k, d, c, crcs) => write!(
+                f,
+                "replace_parts({k}, {} bytes, cut at {c:?}, with crcs: {crcs})",
+                d.len()
+            ),
             TOp::Write(k, o, d) => write!(f, "write({k}, @{o}, {} bytes)", d.len()),
             TOp::Append(k, d) => write!(f, "append({k}, {} bytes)", d.len()),
             TOp::Remove(k) => write!(f, "remove({k})"),
@@ -74,7 +79,7 @@ fn apply(model: &mut Model, ops: &[TOp]) -> Result<(), ()> {
                 });
                 o.data = d.clone();
             }
-            TOp::Replace(k, d, _) => {
+            TOp::Replace(k, d, ..) => {
                 m.insert(
                     k.clone(),
                     Obj {
@@ -154,7 +159,8 @@ fn gen_txn(rng: &mut ChaCha8Rng, keys: &[String], model: &Model, big: bool) -> V
                         }
                         _ => Vec::new(),
                     };
-                    TOp::Replace(k, d, cuts)
+                    let crcs = !cuts.is_empty() && rng.gen_bool(0.5);
+                    TOp::Replace(k, d, cuts, crcs)
                 }
                 40..=59 => {
                     let cur = model.get(&k).map_or(0, |o| o.data.len() as u64);
@@ -186,14 +192,22 @@ fn run_txn(s: &Store<SimDevice>, ops: &[TOp]) -> Result<u64, StoreError> {
     for op in ops {
         match op {
             TOp::WriteFull(k, d) => t.write_full(skey(k), d),
-            TOp::Replace(k, d, c) if c.is_empty() => t.replace(skey(k), d),
-            TOp::Replace(k, d, c) => {
+            TOp::Replace(k, d, c, _) if c.is_empty() => t.replace(skey(k), d),
+            TOp::Replace(k, d, c, crcs) => {
                 let bounds: Vec<usize> = std::iter::once(0)
                     .chain(c.iter().copied())
                     .chain(std::iter::once(d.len()))
                     .collect();
                 let parts: Vec<&[u8]> = bounds.windows(2).map(|w| &d[w[0]..w[1]]).collect();
-                t.replace_parts(skey(k), &parts)
+                if *crcs {
+                    let chunk_crcs: Vec<u32> = d
+                        .chunks(s.chunk_bytes() as usize)
+                        .map(crc32c::crc32c)
+                        .collect();
+                    t.replace_parts_with_crcs(skey(k), &parts, &chunk_crcs)
+                } else {
+                    t.replace_parts(skey(k), &parts)
+                }
             }
             TOp::Write(k, off, d) => t.write(skey(k), *off, d),
             TOp::Append(k, d) => t.append(skey(k), d),
