@@ -1673,7 +1673,6 @@ struct Source<'a> {
     request: &'a Payload,
 }
 
-/// One slot's bytes for a shard write.
 /// A stripe unit sent with its CRC, which the frame's CRC combines instead of summing the
 /// bytes again.
 struct SummedUnit {
@@ -1693,6 +1692,7 @@ unsafe impl messenger::RawBytes for SummedUnit {
     }
 }
 
+/// One slot's bytes for a shard write.
 #[derive(Clone)]
 pub(super) enum ShardBytes {
     Owned(Arc<Vec<u8>>),
