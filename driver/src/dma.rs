@@ -179,6 +179,21 @@ impl DmaBuf {
         }
     }
 
+    /// Copy bytes at `offset` out into uninitialised memory (a `Vec`'s spare capacity, say),
+    /// which they then initialise. Panics if the range is out of bounds.
+    pub fn read_into_uninit(&self, offset: usize, dst: &mut [std::mem::MaybeUninit<u8>]) {
+        self.check(offset, dst.len());
+        // SAFETY: bounds checked above; dst is a distinct Rust allocation, and writing bytes
+        // into MaybeUninit<u8> slots is always valid.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                dst.as_mut_ptr().cast::<u8>(),
+                dst.len(),
+            )
+        }
+    }
+
     /// Append `len` bytes at `offset` to `out`, copying straight into its spare capacity (no
     /// zeroing pass first). Panics if the range is out of bounds.
     pub fn append_to(&self, offset: usize, len: usize, out: &mut Vec<u8>) {
@@ -555,6 +570,11 @@ mod tests {
         );
         buf.fill(4090, 5, b'j');
         assert!(buf.eq_at(4090, b"jjjjj world"));
+        let mut raw = Vec::with_capacity(11);
+        buf.read_into_uninit(4090, &mut raw.spare_capacity_mut()[..11]);
+        // SAFETY: the 11 bytes were just copied in.
+        unsafe { raw.set_len(11) };
+        assert_eq!(raw, b"jjjjj world");
         let mut v = b"abc".to_vec();
         buf.append_to(4090, 11, &mut v);
         buf.append_to(0, 2, &mut v);

@@ -71,7 +71,9 @@ pub fn read_region<D: BlockDevice>(
     let geo = dev.geometry();
     let bs = geo.block_size as u64;
     let piece = geo.max_transfer_bytes.min(1 << 20) as u64;
-    let mut out = vec![0u8; len as usize];
+    // Filled piece by piece as reads complete, in any order; its length is set once every
+    // byte has been copied in (no zeroing pass over a whole segment first).
+    let mut out: Vec<u8> = Vec::with_capacity(len as usize);
     let pieces = len.div_ceil(piece);
     let mut next = 0u64;
     let mut done = 0u64;
@@ -83,7 +85,7 @@ pub fn read_region<D: BlockDevice>(
             let n = piece.min(len - at);
             let buf = match spare.pop() {
                 Some(b) => b,
-                None => dev.alloc_buf(piece as usize)?,
+                None => dev.alloc_read_buf(piece as usize)?,
             };
             let req = Request::read((offset + at) / bs, (n / bs) as u32, buf, 0, next);
             q.submit(req).map_err(|e| e.into_error(dev.name()))?;
@@ -96,11 +98,17 @@ pub fn read_region<D: BlockDevice>(
             let buf = c.buf.expect("read returns its buffer");
             let at = c.tag * piece;
             let n = piece.min(len - at) as usize;
-            buf.read_at(0, &mut out[at as usize..at as usize + n]);
+            buf.read_into_uninit(
+                0,
+                &mut out.spare_capacity_mut()[at as usize..at as usize + n],
+            );
             spare.push(buf);
             done += 1;
         }
     }
+    // SAFETY: the capacity is `len`, and every piece completed: the pieces tile 0..len and
+    // each was copied in above, so all `len` bytes are initialised.
+    unsafe { out.set_len(len as usize) };
     Ok(out)
 }
 
@@ -291,7 +299,7 @@ fn check_batch(
     }
     let meta_start = off as usize + 64;
     let meta = &image[meta_start..meta_start + h.meta_bytes.get() as usize];
-    let meta_crc = crc32c::crc32c(meta);
+    let meta_crc = crate::data_crc(meta);
     let bad_records = Checked::BadRecords {
         header: h,
         bytes: total,
@@ -316,7 +324,7 @@ fn check_batch(
                     // Records that point outside their own batch: not a batch we can trust.
                     return bad_records;
                 }
-                let found = crc32c::crc32c(&image[(o - base) as usize..(o - base + n) as usize]);
+                let found = crate::data_crc(&image[(o - base) as usize..(o - base + n) as usize]);
                 if found != it.crc.get() {
                     bad.push(BadItem {
                         key: key.clone(),
