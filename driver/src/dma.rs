@@ -266,7 +266,7 @@ impl DmaBuf {
     pub fn crc32c(&self, seed: u32, offset: usize, len: usize) -> u32 {
         const STEP: usize = 4096;
         self.check(offset, len);
-        let mut chunk = std::mem::MaybeUninit::<[u8; STEP]>::uninit();
+        let mut chunk = [std::mem::MaybeUninit::<u8>::uninit(); STEP];
         let mut d = crc_fast::Digest::new_with_init_state(
             crc_fast::CrcAlgorithm::Crc32Iscsi,
             u64::from(!seed),
@@ -274,14 +274,10 @@ impl DmaBuf {
         let mut done = 0;
         while done < len {
             let n = (len - done).min(STEP);
-            // SAFETY: `offset + done + n` is within the region (checked above, n ≤ what is
-            // left); the stack buffer is a distinct allocation of STEP ≥ n bytes. The copy
-            // initialises its first n bytes, and only those are then viewed as a slice.
-            let bytes = unsafe {
-                let dst = chunk.as_mut_ptr().cast::<u8>();
-                std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset + done), dst, n);
-                std::slice::from_raw_parts(dst, n)
-            };
+            self.read_into_uninit(offset + done, &mut chunk[..n]);
+            // SAFETY: the copy just above initialised the first n bytes of `chunk`, and only
+            // those are viewed.
+            let bytes = unsafe { std::slice::from_raw_parts(chunk.as_ptr().cast::<u8>(), n) };
             d.update(bytes);
             done += n;
         }
