@@ -15,11 +15,19 @@
 //!    a rebuild does: read k equal 1 MiB chunks from k surviving nodes' device files
 //!    (O_DIRECT, like the nodes), `Codec::reconstruct` one missing shard, write it to a new
 //!    file (O_DIRECT, fdatasync at the end), 8 threads; plus each resource alone (read,
-//!    reconstruct, write) to name the bottleneck.
+//!    reconstruct, write) to name the bottleneck;
+//! 5. **raw loop with the network moves**: the same loop with the bytes a rebuild moves
+//!    between nodes sent over loopback TCP, as the cluster must: per pipeline a *source*
+//!    thread reads k - 1 chunks (the remote survivors') and sends them over one connection,
+//!    a *rebuilder* reads its own chunk, receives the k - 1, reconstructs and sends the result
+//!    over a second connection, and a *sink* receives it and writes it (O_DIRECT); plus the
+//!    network moves alone. No checksums, framing or placement: the floor under what the
+//!    cluster does, on a machine where "the network" is the same two cores.
 //!
 //! All processes share the machine: the figures are medians/ratios of one run, not a spec.
 
 use std::fs::File;
+use std::net::{TcpListener, TcpStream};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -99,6 +107,10 @@ pub struct RawRates {
     pub reconstruct_mb_s: f64,
     pub write_mb_s: f64,
     pub bottleneck: String,
+    /// Output MB/s of the loop with the network moves (step 5).
+    pub net_rebuild_mb_s: f64,
+    /// The network moves alone: k chunks over loopback TCP per output chunk, in output MB/s.
+    pub net_mb_s: f64,
 }
 
 #[derive(Debug, Clone, Serialize, Default)]
@@ -116,6 +128,8 @@ pub struct RecoveryBenchResult {
     pub raw: RawRates,
     /// idle_rebuild_mb_s / raw.rebuild_mb_s
     pub idle_vs_raw: f64,
+    /// idle_rebuild_mb_s / raw.net_rebuild_mb_s
+    pub idle_vs_raw_net: f64,
     /// Steps 2 and 3.
     pub client_baseline: Latency,
     pub client_during_recovery: Latency,
@@ -236,6 +250,7 @@ fn bench(
         bytes.max(64 << 20),
     )?;
     out.idle_vs_raw = out.idle_rebuild_mb_s / out.raw.rebuild_mb_s;
+    out.idle_vs_raw_net = out.idle_rebuild_mb_s / out.raw.net_rebuild_mb_s;
 
     // 2. Client baseline.
     say(
@@ -578,6 +593,87 @@ fn raw_pass(
     Ok(t.elapsed().as_secs_f64())
 }
 
+/// A connected pair of loopback TCP streams (sender, receiver).
+fn tcp_pair() -> std::io::Result<(TcpStream, TcpStream)> {
+    let l = TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0))?;
+    let tx = TcpStream::connect(l.local_addr()?)?;
+    let (rx, _) = l.accept()?;
+    Ok((tx, rx))
+}
+
+/// Step 5 (see the module doc): `RAW_THREADS` pipelines of source → rebuilder → sink over
+/// loopback TCP; with `disks` false only the network moves (no reads, reconstruct or writes).
+/// Seconds taken.
+fn raw_pass_net(
+    disks: bool,
+    ins: &[File],
+    out: &File,
+    codec: &Codec,
+    (k, m): (usize, usize),
+    chunks: u64,
+) -> std::io::Result<f64> {
+    use std::io::{Read, Write};
+    let t = Instant::now();
+    std::thread::scope(|s| -> std::io::Result<()> {
+        let mut hs = Vec::new();
+        for t in 0..RAW_THREADS as u64 {
+            let (mut to_rebuilder, mut from_source) = tcp_pair()?;
+            let (mut to_sink, mut from_rebuilder) = tcp_pair()?;
+            let mine = move || (t..chunks).step_by(RAW_THREADS);
+            // Source: the k - 1 remote survivors' chunks.
+            hs.push(s.spawn(move || -> std::io::Result<()> {
+                let mut buf = Aligned::new(RAW_CHUNK_BYTES);
+                for i in mine() {
+                    for f in &ins[..k - 1] {
+                        if disks {
+                            f.read_exact_at(buf.get_mut(), i * RAW_CHUNK_BYTES as u64)?;
+                        }
+                        to_rebuilder.write_all(buf.get())?;
+                    }
+                }
+                Ok(())
+            }));
+            // Rebuilder: its own chunk from the device, the others from the network.
+            hs.push(s.spawn(move || -> std::io::Result<()> {
+                let mut bufs: Vec<Aligned> =
+                    (0..k).map(|_| Aligned::new(RAW_CHUNK_BYTES)).collect();
+                let mut rebuilt = Aligned::new(RAW_CHUNK_BYTES);
+                for i in mine() {
+                    for b in &mut bufs[..k - 1] {
+                        from_source.read_exact(b.get_mut())?;
+                    }
+                    if disks {
+                        ins[k - 1]
+                            .read_exact_at(bufs[k - 1].get_mut(), i * RAW_CHUNK_BYTES as u64)?;
+                        raw_reconstruct(codec, k, m, &bufs, &mut rebuilt);
+                    }
+                    to_sink.write_all(rebuilt.get())?;
+                }
+                Ok(())
+            }));
+            // Sink: the new member writes what it receives.
+            hs.push(s.spawn(move || -> std::io::Result<()> {
+                let mut buf = Aligned::new(RAW_CHUNK_BYTES);
+                for i in mine() {
+                    from_rebuilder.read_exact(buf.get_mut())?;
+                    if disks {
+                        out.write_all_at(buf.get(), i * RAW_CHUNK_BYTES as u64)?;
+                    }
+                }
+                Ok(())
+            }));
+        }
+        for h in hs {
+            h.join().expect("raw thread")?;
+        }
+        Ok(())
+    })?;
+    if disks {
+        out.sync_data()?;
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
 /// The raw rates for `out_bytes` of rebuilt shard data (see the module doc): O_DIRECT reads
 /// of 1 MiB chunks at the front of the surviving nodes' device files (where their stores
 /// wrote), `RAW_THREADS` threads, into one new file written O_DIRECT.
@@ -613,6 +709,8 @@ fn raw_rates(
     let read = raw_pass(RawStep::Read, &ins, &out, &codec, km, chunks)?;
     let ec = raw_pass(RawStep::Reconstruct, &ins, &out, &codec, km, chunks)?;
     let write = raw_pass(RawStep::Write, &ins, &out, &codec, km, chunks)?;
+    let net_all = raw_pass_net(true, &ins, &out, &codec, km, chunks)?;
+    let net = raw_pass_net(false, &ins, &out, &codec, km, chunks)?;
     drop(out);
     let _ = std::fs::remove_file(&out_path);
     let bytes = (chunks * RAW_CHUNK_BYTES as u64) as f64;
@@ -632,6 +730,8 @@ fn raw_rates(
         reconstruct_mb_s: rates[1].1,
         write_mb_s: rates[2].1,
         bottleneck,
+        net_rebuild_mb_s: mb(bytes) / net_all,
+        net_mb_s: mb(bytes) / net,
     })
 }
 
@@ -676,6 +776,18 @@ fn print_table(r: &RecoveryBenchResult) {
     row(
         "rebuild rate / raw loop",
         format!("{:.0} %", r.idle_vs_raw * 100.0),
+    );
+    row(
+        "raw loop + loopback TCP moves (MB/s)",
+        format!("{:.1}", r.raw.net_rebuild_mb_s),
+    );
+    row(
+        "  loopback TCP moves alone (out MB/s)",
+        format!("{:.1}", r.raw.net_mb_s),
+    );
+    row(
+        "rebuild rate / raw loop + TCP moves",
+        format!("{:.0} %", r.idle_vs_raw_net * 100.0),
     );
     row(
         "client 4K read p50 / p99, no recovery (ms)",
