@@ -862,6 +862,7 @@ impl Node {
 
     /// Plan one PG's pass: find what each up member misses, queue the rebuilds.
     fn plan(&self, pool: u64, pg: u32) -> Result<()> {
+        let started = Instant::now();
         let node_change_epoch = self.monc.node_change_epoch();
         let Some(ctx) = self.recovery_ctx(pool, pg) else {
             return Ok(());
@@ -893,6 +894,7 @@ impl Node {
             })
             .max()
             .unwrap_or(0);
+        let logs_ms = started.elapsed().as_secs_f64() * 1e3;
         let (delta, backfill_slots) = plan_delta(&logs, &up);
         let mut todo: BTreeMap<Vec<u8>, (Path, u64)> =
             delta.into_iter().map(|n| (n, (Path::Delta, 0))).collect();
@@ -919,10 +921,12 @@ impl Node {
             return Ok(());
         }
         info!(
-            "recovery: pg {pool}.{pg:x}: {} object(s) to check ({} by backfill for slots {:?})",
+            "recovery: pg {pool}.{pg:x}: {} object(s) to check ({} by backfill for slots {:?}); \
+             planned in {:.1} ms ({logs_ms:.1} ms for the members' logs)",
             todo.len(),
             todo.values().filter(|t| t.0 == Path::Backfill).count(),
-            backfill_slots
+            backfill_slots,
+            started.elapsed().as_secs_f64() * 1e3
         );
         for (name, (path, bytes)) in todo {
             r.objects_left.fetch_add(1, Relaxed);
