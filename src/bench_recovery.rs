@@ -27,6 +27,7 @@
 //! All processes share the machine: the figures are medians/ratios of one run, not a spec.
 
 use std::fs::File;
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -529,6 +530,22 @@ enum RawStep {
     Read,
     Reconstruct,
     Write,
+    /// Step 5: `All` through source → rebuilder → sink pipelines over loopback TCP.
+    NetAll,
+    /// Step 5's TCP moves alone.
+    Net,
+}
+
+impl RawStep {
+    fn reads(self) -> bool {
+        matches!(self, RawStep::All | RawStep::Read | RawStep::NetAll)
+    }
+    fn reconstructs(self) -> bool {
+        matches!(self, RawStep::All | RawStep::Reconstruct | RawStep::NetAll)
+    }
+    fn writes(self) -> bool {
+        matches!(self, RawStep::All | RawStep::Write | RawStep::NetAll)
+    }
 }
 
 /// Rebuild one missing data shard from k - 1 data shards and one parity shard.
@@ -547,7 +564,7 @@ fn raw_reconstruct(codec: &Codec, k: usize, m: usize, ins: &[Aligned], out: &mut
         .expect("k shards of equal length");
 }
 
-/// One raw pass over `chunks` chunks from `RAW_THREADS` threads; seconds taken.
+/// One raw pass over `chunks` chunks, `RAW_THREADS` chunks in flight; seconds taken.
 fn raw_pass(
     step: RawStep,
     ins: &[File],
@@ -558,36 +575,47 @@ fn raw_pass(
 ) -> std::io::Result<f64> {
     let t = Instant::now();
     std::thread::scope(|s| -> std::io::Result<()> {
-        let hs: Vec<_> = (0..RAW_THREADS as u64)
-            .map(|t| {
-                s.spawn(move || -> std::io::Result<()> {
-                    let mut bufs: Vec<Aligned> =
-                        (0..k).map(|_| Aligned::new(RAW_CHUNK_BYTES)).collect();
-                    let mut rebuilt = Aligned::new(RAW_CHUNK_BYTES);
-                    for i in (t..chunks).step_by(RAW_THREADS) {
-                        let at = i * RAW_CHUNK_BYTES as u64;
-                        if matches!(step, RawStep::All | RawStep::Read) {
-                            for (f, b) in ins.iter().zip(bufs.iter_mut()) {
-                                f.read_exact_at(b.get_mut(), at)?;
-                            }
-                        }
-                        if matches!(step, RawStep::All | RawStep::Reconstruct) {
-                            raw_reconstruct(codec, k, m, &bufs, &mut rebuilt);
-                        }
-                        if matches!(step, RawStep::All | RawStep::Write) {
-                            out.write_all_at(rebuilt.get(), at)?;
+        let mut hs = Vec::new();
+        for t in 0..RAW_THREADS as u64 {
+            let mine = move || (t..chunks).step_by(RAW_THREADS);
+            if matches!(step, RawStep::NetAll | RawStep::Net) {
+                let (to_rebuilder, from_source) = tcp_pair()?;
+                let (to_sink, from_rebuilder) = tcp_pair()?;
+                let (ins, out) = (&ins[..k], out);
+                hs.push(s.spawn(move || raw_source(step, &ins[..k - 1], to_rebuilder, mine)));
+                hs.push(s.spawn(move || {
+                    raw_rebuilder(step, codec, (k, m), &ins[k - 1], from_source, to_sink, mine)
+                }));
+                hs.push(s.spawn(move || raw_sink(step, out, from_rebuilder, mine)));
+                continue;
+            }
+            hs.push(s.spawn(move || -> std::io::Result<()> {
+                let mut bufs: Vec<Aligned> =
+                    (0..k).map(|_| Aligned::new(RAW_CHUNK_BYTES)).collect();
+                let mut rebuilt = Aligned::new(RAW_CHUNK_BYTES);
+                for i in mine() {
+                    let at = i * RAW_CHUNK_BYTES as u64;
+                    if step.reads() {
+                        for (f, b) in ins.iter().zip(bufs.iter_mut()) {
+                            f.read_exact_at(b.get_mut(), at)?;
                         }
                     }
-                    Ok(())
-                })
-            })
-            .collect();
+                    if step.reconstructs() {
+                        raw_reconstruct(codec, k, m, &bufs, &mut rebuilt);
+                    }
+                    if step.writes() {
+                        out.write_all_at(rebuilt.get(), at)?;
+                    }
+                }
+                Ok(())
+            }));
+        }
         for h in hs {
             h.join().expect("raw thread")?;
         }
         Ok(())
     })?;
-    if matches!(step, RawStep::All | RawStep::Write) {
+    if step.writes() {
         out.sync_data()?;
     }
     Ok(t.elapsed().as_secs_f64())
@@ -601,77 +629,68 @@ fn tcp_pair() -> std::io::Result<(TcpStream, TcpStream)> {
     Ok((tx, rx))
 }
 
-/// Step 5 (see the module doc): `RAW_THREADS` pipelines of source → rebuilder → sink over
-/// loopback TCP; with `disks` false only the network moves (no reads, reconstruct or writes).
-/// Seconds taken.
-fn raw_pass_net(
-    disks: bool,
-    ins: &[File],
-    out: &File,
+/// Step 5's source: the remote survivors' chunks, read and sent to the rebuilder.
+fn raw_source<I: Iterator<Item = u64>>(
+    step: RawStep,
+    remote: &[File],
+    mut to_rebuilder: TcpStream,
+    mine: impl Fn() -> I,
+) -> std::io::Result<()> {
+    let mut buf = Aligned::new(RAW_CHUNK_BYTES);
+    for i in mine() {
+        for f in remote {
+            if step.reads() {
+                f.read_exact_at(buf.get_mut(), i * RAW_CHUNK_BYTES as u64)?;
+            }
+            to_rebuilder.write_all(buf.get())?;
+        }
+    }
+    Ok(())
+}
+
+/// Step 5's rebuilder: its own chunk from the device, the others from the network; the
+/// rebuilt chunk goes to the sink.
+fn raw_rebuilder<I: Iterator<Item = u64>>(
+    step: RawStep,
     codec: &Codec,
     (k, m): (usize, usize),
-    chunks: u64,
-) -> std::io::Result<f64> {
-    use std::io::{Read, Write};
-    let t = Instant::now();
-    std::thread::scope(|s| -> std::io::Result<()> {
-        let mut hs = Vec::new();
-        for t in 0..RAW_THREADS as u64 {
-            let (mut to_rebuilder, mut from_source) = tcp_pair()?;
-            let (mut to_sink, mut from_rebuilder) = tcp_pair()?;
-            let mine = move || (t..chunks).step_by(RAW_THREADS);
-            // Source: the k - 1 remote survivors' chunks.
-            hs.push(s.spawn(move || -> std::io::Result<()> {
-                let mut buf = Aligned::new(RAW_CHUNK_BYTES);
-                for i in mine() {
-                    for f in &ins[..k - 1] {
-                        if disks {
-                            f.read_exact_at(buf.get_mut(), i * RAW_CHUNK_BYTES as u64)?;
-                        }
-                        to_rebuilder.write_all(buf.get())?;
-                    }
-                }
-                Ok(())
-            }));
-            // Rebuilder: its own chunk from the device, the others from the network.
-            hs.push(s.spawn(move || -> std::io::Result<()> {
-                let mut bufs: Vec<Aligned> =
-                    (0..k).map(|_| Aligned::new(RAW_CHUNK_BYTES)).collect();
-                let mut rebuilt = Aligned::new(RAW_CHUNK_BYTES);
-                for i in mine() {
-                    for b in &mut bufs[..k - 1] {
-                        from_source.read_exact(b.get_mut())?;
-                    }
-                    if disks {
-                        ins[k - 1]
-                            .read_exact_at(bufs[k - 1].get_mut(), i * RAW_CHUNK_BYTES as u64)?;
-                        raw_reconstruct(codec, k, m, &bufs, &mut rebuilt);
-                    }
-                    to_sink.write_all(rebuilt.get())?;
-                }
-                Ok(())
-            }));
-            // Sink: the new member writes what it receives.
-            hs.push(s.spawn(move || -> std::io::Result<()> {
-                let mut buf = Aligned::new(RAW_CHUNK_BYTES);
-                for i in mine() {
-                    from_rebuilder.read_exact(buf.get_mut())?;
-                    if disks {
-                        out.write_all_at(buf.get(), i * RAW_CHUNK_BYTES as u64)?;
-                    }
-                }
-                Ok(())
-            }));
+    own: &File,
+    mut from_source: TcpStream,
+    mut to_sink: TcpStream,
+    mine: impl Fn() -> I,
+) -> std::io::Result<()> {
+    let mut bufs: Vec<Aligned> = (0..k).map(|_| Aligned::new(RAW_CHUNK_BYTES)).collect();
+    let mut rebuilt = Aligned::new(RAW_CHUNK_BYTES);
+    for i in mine() {
+        for b in &mut bufs[..k - 1] {
+            from_source.read_exact(b.get_mut())?;
         }
-        for h in hs {
-            h.join().expect("raw thread")?;
+        if step.reads() {
+            own.read_exact_at(bufs[k - 1].get_mut(), i * RAW_CHUNK_BYTES as u64)?;
         }
-        Ok(())
-    })?;
-    if disks {
-        out.sync_data()?;
+        if step.reconstructs() {
+            raw_reconstruct(codec, k, m, &bufs, &mut rebuilt);
+        }
+        to_sink.write_all(rebuilt.get())?;
     }
-    Ok(t.elapsed().as_secs_f64())
+    Ok(())
+}
+
+/// Step 5's sink: the new member writes what it receives.
+fn raw_sink<I: Iterator<Item = u64>>(
+    step: RawStep,
+    out: &File,
+    mut from_rebuilder: TcpStream,
+    mine: impl Fn() -> I,
+) -> std::io::Result<()> {
+    let mut buf = Aligned::new(RAW_CHUNK_BYTES);
+    for i in mine() {
+        from_rebuilder.read_exact(buf.get_mut())?;
+        if step.writes() {
+            out.write_all_at(buf.get(), i * RAW_CHUNK_BYTES as u64)?;
+        }
+    }
+    Ok(())
 }
 
 /// The raw rates for `out_bytes` of rebuilt shard data (see the module doc): O_DIRECT reads
@@ -709,8 +728,8 @@ fn raw_rates(
     let read = raw_pass(RawStep::Read, &ins, &out, &codec, km, chunks)?;
     let ec = raw_pass(RawStep::Reconstruct, &ins, &out, &codec, km, chunks)?;
     let write = raw_pass(RawStep::Write, &ins, &out, &codec, km, chunks)?;
-    let net_all = raw_pass_net(true, &ins, &out, &codec, km, chunks)?;
-    let net = raw_pass_net(false, &ins, &out, &codec, km, chunks)?;
+    let net_all = raw_pass(RawStep::NetAll, &ins, &out, &codec, km, chunks)?;
+    let net = raw_pass(RawStep::Net, &ins, &out, &codec, km, chunks)?;
     drop(out);
     let _ = std::fs::remove_file(&out_path);
     let bytes = (chunks * RAW_CHUNK_BYTES as u64) as f64;
@@ -752,39 +771,30 @@ fn print_table(r: &RecoveryBenchResult) {
         "rebuilt, no client load (MB)",
         format!("{:.0}", mb(r.idle_rebuilt_bytes as f64)),
     );
-    row(
-        "rebuild rate, no client load (MB/s)",
-        format!("{:.1}", r.idle_rebuild_mb_s),
-    );
-    row(
-        "raw read+reconstruct+write loop (MB/s)",
-        format!("{:.1}", r.raw.rebuild_mb_s),
-    );
-    row(
-        "  raw device reads alone (out MB/s)",
-        format!("{:.1}", r.raw.read_mb_s),
-    );
-    row(
-        "  raw reconstruct alone (MB/s)",
-        format!("{:.1}", r.raw.reconstruct_mb_s),
-    );
-    row(
-        "  raw device writes alone (MB/s)",
-        format!("{:.1}", r.raw.write_mb_s),
-    );
+    let rate_rows = |rows: &[(&str, f64)]| {
+        for (k, v) in rows {
+            row(k, format!("{v:.1}"));
+        }
+    };
+    rate_rows(&[
+        ("rebuild rate, no client load (MB/s)", r.idle_rebuild_mb_s),
+        ("raw read+reconstruct+write loop (MB/s)", r.raw.rebuild_mb_s),
+        ("  raw device reads alone (out MB/s)", r.raw.read_mb_s),
+        ("  raw reconstruct alone (MB/s)", r.raw.reconstruct_mb_s),
+        ("  raw device writes alone (MB/s)", r.raw.write_mb_s),
+    ]);
     row("  raw bottleneck", r.raw.bottleneck.clone());
     row(
         "rebuild rate / raw loop",
         format!("{:.0} %", r.idle_vs_raw * 100.0),
     );
-    row(
-        "raw loop + loopback TCP moves (MB/s)",
-        format!("{:.1}", r.raw.net_rebuild_mb_s),
-    );
-    row(
-        "  loopback TCP moves alone (out MB/s)",
-        format!("{:.1}", r.raw.net_mb_s),
-    );
+    rate_rows(&[
+        (
+            "raw loop + loopback TCP moves (MB/s)",
+            r.raw.net_rebuild_mb_s,
+        ),
+        ("  loopback TCP moves alone (out MB/s)", r.raw.net_mb_s),
+    ]);
     row(
         "rebuild rate / raw loop + TCP moves",
         format!("{:.0} %", r.idle_vs_raw_net * 100.0),
