@@ -7,11 +7,11 @@
 //! Retries resend the request: a write whose reply was lost may apply twice, which is
 //! harmless for write_full/write/remove/xattrs but not for append (no request-id dedup yet).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use messenger::{Connection, Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret};
@@ -42,7 +42,7 @@ impl Dispatcher for ClientDispatcher {
 pub struct Client {
     msgr: Arc<Messenger>,
     monc: Arc<MonClient>,
-    conns: Mutex<HashMap<u32, Connection>>,
+    conns: crate::peers::PeerConns,
     timeout: Duration,
     next_upload: AtomicU64,
 }
@@ -85,7 +85,7 @@ impl Client {
         Ok(Client {
             msgr,
             monc,
-            conns: Mutex::new(HashMap::new()),
+            conns: Default::default(),
             timeout: op_timeout,
             next_upload: AtomicU64::new(rand::random::<u64>() >> 1),
         })
@@ -154,18 +154,7 @@ impl Client {
     }
 
     fn conn(&self, node: u32, addr: SocketAddr) -> Result<Connection> {
-        // Held across the connect so racing threads share one connection.
-        let mut conns = self.conns.lock().unwrap();
-        if let Some(c) = conns.get(&node) {
-            if c.peer_addr() == addr {
-                return Ok(c.clone());
-            }
-        }
-        let c = self.msgr.connect(addr, Identity::Node(node))?;
-        if let Some(old) = conns.insert(node, c.clone()) {
-            old.close();
-        }
-        Ok(c)
+        self.conns.get(&self.msgr, &self.monc, node, addr)
     }
 
     /// Run `f(primary connection, epoch)` against the primary of (pool, name), retrying on

@@ -25,6 +25,7 @@ pub mod monitor;
 pub mod node;
 pub mod ops;
 pub mod optrack;
+pub mod peers;
 pub mod prom;
 pub mod queue;
 pub mod scrub_cmd;

@@ -690,3 +690,82 @@ fn a_superseded_primary_sends_the_client_on_instead_of_calling_the_object_unavai
     q.shutdown();
     me.shutdown();
 }
+
+/// A node marked down is not redialled: each survivor closes its kept connection to it
+/// (`nvstore::peers`) instead of the messenger reconnecting every couple of seconds, logging
+/// each refusal, for as long as the node stays down; once it is back, the survivors connect
+/// to it afresh and every object reads back.
+#[test]
+fn survivors_stop_redialling_a_node_marked_down_and_reconnect_when_it_is_back() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // k + m = 4 nodes: every PG has every node, so a primary talks to all three others.
+    let h = cluster(4);
+    let c = &h.client;
+    let pool = c.create_pool("p", 2, 2, 4096, 16, None).unwrap();
+    let mut objects: Vec<(String, Vec<u8>)> = (0..48)
+        .map(|i| (format!("obj-{i}"), bytes(i as u64, size_of(i))))
+        .collect();
+    for (n, d) in &objects {
+        c.put(pool, n.as_bytes(), d).unwrap();
+    }
+    wait_recovered(c, |_| true);
+    let node = |id: u32, k: &str| c.perf_dump(id).unwrap()["node"][k].as_u64().unwrap();
+    let reconnects = |id: u32| {
+        c.perf_dump(id).unwrap()["messenger"]["reconnects"]
+            .as_u64()
+            .unwrap()
+    };
+    let victim = 4;
+    let survivors = [1, 2, 3];
+    // The survivors that lead a PG hold a connection to every other node.
+    let talking: Vec<u32> = survivors
+        .into_iter()
+        .filter(|&id| node(id, "peer_conns") == 3)
+        .collect();
+    assert!(
+        !talking.is_empty(),
+        "no survivor connected to all three others"
+    );
+
+    h.lc.stop_member(&format!("node.{victim}"), true).unwrap();
+    wait_up(c, victim, false);
+    wait_until(
+        "the survivors to close their connections to the down node",
+        || {
+            talking
+                .iter()
+                .all(|&id| node(id, "peer_conns_closed") >= 1 && node(id, "peer_conns") == 2)
+        },
+    );
+    // Nothing redials it: over 2.5 × the messenger's reconnect backoff cap (2 s), no
+    // survivor counts a single reconnect (the monitor and the other survivors stay up).
+    let before: Vec<u64> = survivors.iter().map(|&id| reconnects(id)).collect();
+    std::thread::sleep(Duration::from_secs(5));
+    let after: Vec<u64> = survivors.iter().map(|&id| reconnects(id)).collect();
+    assert_eq!(
+        before, after,
+        "survivors {survivors:?} kept redialling node {victim} after the map marked it down"
+    );
+
+    // Objects written while it is down, then it comes back and is caught up.
+    for i in 100..108 {
+        let (n, d) = (format!("down-{i}"), bytes(i as u64, size_of(i)));
+        c.put(pool, n.as_bytes(), &d).unwrap();
+        objects.push((n, d));
+    }
+    h.lc.start_member(&format!("node.{victim}")).unwrap();
+    wait_up(c, victim, true);
+    wait_recovered(c, |_| true);
+    wait_until(
+        "the survivors to connect to the returned node again",
+        || talking.iter().all(|&id| node(id, "peer_conns") == 3),
+    );
+    // The others gone, every object must come from the returned node and node 1.
+    for id in [2, 3] {
+        h.lc.stop_member(&format!("node.{id}"), true).unwrap();
+    }
+    for id in [2, 3] {
+        wait_up(c, id, false);
+    }
+    read_all(c, pool, &objects);
+}

@@ -127,7 +127,7 @@ pub struct Node {
     pub local: Arc<Local>,
     pub monc: Arc<MonClient>,
     msgr: OnceLock<Arc<Messenger>>,
-    peers: Mutex<HashMap<u32, Connection>>,
+    pub(crate) peers: crate::peers::PeerConns,
     pgs: Mutex<HashMap<(u64, u32), PgSlot>>,
     /// Per PG: the newest (epoch, primary) that sent this node a shard or recovery op. A
     /// primary of an older epoch is refused from then on, even before this node has the map
@@ -261,7 +261,8 @@ impl Node {
             .clone()
     }
 
-    /// A connection to another node (kept; the messenger reconnects it).
+    /// A connection to another node (kept; the messenger reconnects it until the map marks
+    /// the node down: [`crate::peers`]).
     pub fn peer(&self, id: u32) -> Result<Connection> {
         let map = self.monc.map();
         let addr = map
@@ -269,19 +270,7 @@ impl Node {
             .get(&id)
             .ok_or_else(|| Error::remote(Status::Unavailable, format!("no node {id} in the map")))?
             .addr;
-        // Held across the connect: threads racing to reach the same peer share one
-        // connection (a second one would close the first under the other's requests).
-        let mut peers = self.peers.lock().unwrap();
-        if let Some(c) = peers.get(&id) {
-            if c.peer_addr() == addr {
-                return Ok(c.clone());
-            }
-        }
-        let c = self.msgr().connect(addr, Identity::Node(id))?;
-        if let Some(old) = peers.insert(id, c.clone()) {
-            old.close();
-        }
-        Ok(c)
+        self.peers.get(self.msgr(), &self.monc, id, addr)
     }
 
     /// Put a client op on its PG's queue (on the messenger worker: cheap, in arrival order).
@@ -941,7 +930,7 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
         local: Arc::new(Local::new(stores)),
         monc: monc.clone(),
         msgr: OnceLock::new(),
-        peers: Mutex::new(HashMap::new()),
+        peers: Default::default(),
         pgs: Mutex::new(HashMap::new()),
         intervals: Mutex::new(HashMap::new()),
         boot_epoch: AtomicU64::new(BOOTING),

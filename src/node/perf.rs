@@ -171,7 +171,7 @@ impl Node {
             driver::workload::peak_rss_kib(),
         );
         #[rustfmt::skip]
-        let rows: [(&'static str, Row); 32] = [
+        let rows: [(&'static str, Row); 34] = [
             ("client", ("read_ops", C, c.read_ops.load(Relaxed), "Client read ops run as primary")),
             ("client", ("write_ops", C, c.write_ops.load(Relaxed), "Client write ops run as primary")),
             ("client", ("read_bytes", C, c.read_bytes.load(Relaxed), "Bytes returned to clients")),
@@ -196,6 +196,8 @@ impl Node {
             ("ops", ("slow_recent", G, recent, "Ops slow within the last minute, or slow and running")),
             ("ops", ("slow_longest_ms", G, longest, "Longest of those ops, in milliseconds")),
             ("ops", ("slow_threshold_ms", G, threshold, "The slow_op_ms setting")),
+            ("node", ("peer_conns", G, self.peers.len() as u64, "Connections kept to other nodes")),
+            ("node", ("peer_conns_closed", C, self.peers.closed(), "Connections to other nodes closed because the map marked them down (not redialled)")),
             ("node", ("shards", G, self.local.shard_count(), "Shards stored on this node")),
             ("node", ("uptime_s", G, self.perf.started.elapsed().as_secs(), "Seconds since start")),
             ("node", ("op_threads", G, self.cfg.op_threads as u64, "Threads running client ops")),

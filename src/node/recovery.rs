@@ -679,6 +679,8 @@ impl Node {
             );
             if seen.as_ref() != Some(&key) {
                 seen = Some(key);
+                // Stop redialling nodes that went down (`crate::peers`).
+                self.peers.prune(&self.monc);
                 for p in map.pools.values() {
                     for pg in 0..p.pg_num {
                         if self.monc.acting(&map, p, pg).primary == Some(self.id) {
