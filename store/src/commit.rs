@@ -1312,6 +1312,9 @@ impl<D: BlockDevice> Committer<D> {
         sb.replay_offset = (c.start.off as u32).into();
         sb.replay_batch_seq = c.start.batch_seq.into();
         sb.replay_segment_seq = c.start.seg_seq.into();
+        // The replay start is this open's head (or later): no batch from there on is older
+        // than this generation, whatever stale ones a crashed earlier open left behind it.
+        sb.replay_gen = sb.gen;
         sb.next_op_seq = c.next_op_seq.into();
         // Both copies, one after the other: a torn write leaves the other copy (the previous
         // state, still whole: the old checkpoint is freed only below), and once both are

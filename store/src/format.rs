@@ -77,7 +77,12 @@ pub struct Superblock {
     pub replay_segment_seq: U64,
     /// Op sequence floor: versions handed out after open are above this.
     pub next_op_seq: U64,
-    pub reserved: [u8; 100],
+    /// The open generation that set the replay start (wrote the checkpoint): every batch
+    /// from the replay start on was written by it or a later open, so replay accepts none
+    /// older. 0 on devices labelled before the field existed (then only the headers and
+    /// batches read along the way raise the floor).
+    pub replay_gen: U32,
+    pub reserved: [u8; 96],
     /// CRC32C of every byte before this field.
     pub crc: U32,
 }

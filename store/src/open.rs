@@ -457,6 +457,7 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
         next_seg: NO_SEGMENT,
     };
     let mut r = StreamReader::new(layout, sb.log_id.get(), SEGMENT_LOG, start);
+    r.min_gen(sb.replay_gen.get());
     // This thread reads, checks and decodes the checkpoint's and the log's batches; a
     // `store-load` thread puts their records into the index, in the same order.
     let (read, applied) = std::thread::scope(|sc| {

@@ -195,6 +195,12 @@ fn stored_and_computed_crc(raw: &[u8]) -> (u32, u32) {
 }
 
 impl StreamReader {
+    /// Accept no batch or segment header older than open generation `gen` (the log's
+    /// replay start records the generation that set it: `Superblock::replay_gen`).
+    pub fn min_gen(&mut self, gen: u32) {
+        self.last_gen = self.last_gen.max(gen);
+    }
+
     pub fn new(layout: Layout, stream_id: u64, kind: u16, start: Pos) -> Self {
         StreamReader {
             layout,

@@ -11,7 +11,7 @@
 //! `concurrent_crash_points` adds four clients, automatic checkpoints and the cleaner (it
 //! replays with high probability). By default 1 000 and 40 seeds run (3 120 crash points);
 //! `NVSTORE_CRASH_SEEDS=<n>` sets seeds per test (long mode: 3500 → over 10 000 crash points
-//! per test).
+//! per test); `NVSTORE_CRASH_SEED_FROM=<s>` starts the seeds at `s` instead of 0.
 
 mod common;
 
@@ -282,11 +282,16 @@ fn seeds(default: u64) -> Vec<u64> {
     if let Ok(s) = std::env::var("NVSTORE_CRASH_SEED") {
         return vec![s.parse().expect("NVSTORE_CRASH_SEED is a number")];
     }
-    let n = std::env::var("NVSTORE_CRASH_SEEDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default);
-    (0..n).collect()
+    let var = |name: &str| {
+        std::env::var(name).ok().map(|v| {
+            v.parse::<u64>()
+                .unwrap_or_else(|_| panic!("{name} is a number"))
+        })
+    };
+    // NVSTORE_CRASH_SEED_FROM moves the range, so a long run can explore seeds the default
+    // runs never reach.
+    let from = var("NVSTORE_CRASH_SEED_FROM").unwrap_or(0);
+    (from..from + var("NVSTORE_CRASH_SEEDS").unwrap_or(default)).collect()
 }
 
 fn config(auto: bool, cleaner: bool) -> StoreConfig {
@@ -448,6 +453,20 @@ fn regression_torn_head_segment_stays_allocated() {
 #[test]
 fn regression_stale_batch_behind_a_rewritten_segment_header() {
     deterministic_seed(966);
+}
+
+/// Regression (seed 59663, found by the long mode with `NVSTORE_CRASH_SEED_FROM`): a 4 MiB
+/// write spanning three segments was lost in a crash; the next open ended its replay at the
+/// start of the second of them (whose header, from the lost write, was valid and chained the
+/// log on to the third) and appended there. That open checkpointed and crashed before its next
+/// batch: the open after it started replay mid-segment behind the old header, found no batch,
+/// followed the old chain to the third segment (its header torn, rebuilt from its batches) and
+/// replayed the lost write's last batch, whose sequence number matched: the object pointed at
+/// chunks since overwritten (`Corrupted` on read). The superblock now records the generation
+/// that set the replay start, and replay accepts nothing older.
+#[test]
+fn regression_stale_batch_in_a_chained_segment_behind_the_replay_start() {
+    deterministic_seed(59663);
 }
 
 #[test]
