@@ -276,7 +276,8 @@ mod tests {
         assert_eq!(offset_of!(Superblock, replay_batch_seq), 128);
         assert_eq!(offset_of!(Superblock, replay_segment_seq), 136);
         assert_eq!(offset_of!(Superblock, next_op_seq), 144);
-        assert_eq!(offset_of!(Superblock, reserved), 152);
+        assert_eq!(offset_of!(Superblock, replay_gen), 152);
+        assert_eq!(offset_of!(Superblock, reserved), 156);
         assert_eq!(offset_of!(Superblock, crc), 252);
 
         assert_eq!(offset_of!(SegmentHeader, kind), 6);
