@@ -38,6 +38,18 @@ fn size_of(i: usize) -> usize {
     [0, 1, 5000, 40_000, 100_003, 300_000][i % 6]
 }
 
+/// Put objects `{prefix}-0` … `{prefix}-{n-1}` (bytes seeded `seed + i`, sizes
+/// [`size_of`]) into `pool`; returns them as (name, bytes).
+fn put_objects(c: &Client, pool: u64, prefix: &str, seed: u64, n: usize) -> Vec<(String, Vec<u8>)> {
+    let objects: Vec<(String, Vec<u8>)> = (0..n)
+        .map(|i| (format!("{prefix}-{i}"), bytes(seed + i as u64, size_of(i))))
+        .collect();
+    for (name, d) in &objects {
+        c.put(pool, name.as_bytes(), d).unwrap();
+    }
+    objects
+}
+
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     let t = Instant::now();
     while !f() {
@@ -96,12 +108,7 @@ fn a_node_marked_out_is_rebuilt_on_new_members_and_redundancy_is_restored() {
     let h = cluster(5);
     let c = &h.client;
     let pool = c.create_pool("r", 2, 2, 4096, 8, None).unwrap();
-    let mut objects: Vec<(String, Vec<u8>)> = (0..36)
-        .map(|i| (format!("obj-{i}"), bytes(i as u64, size_of(i))))
-        .collect();
-    for (n, d) in &objects {
-        c.put(pool, n.as_bytes(), d).unwrap();
-    }
+    let mut objects = put_objects(c, pool, "obj", 0, 36);
     c.set_xattr(pool, b"obj-3", "color", b"green").unwrap();
     c.put(pool, b"gone", b"removed before the failure").unwrap();
     c.remove(pool, b"gone").unwrap();
@@ -348,12 +355,7 @@ fn a_node_back_within_the_log_window_is_caught_up_by_delta() {
     let h = cluster(4);
     let c = &h.client;
     let pool = c.create_pool("d", 2, 2, 4096, 8, None).unwrap();
-    let mut objects: Vec<(String, Vec<u8>)> = (0..16)
-        .map(|i| (format!("before-{i}"), bytes(i as u64, size_of(i))))
-        .collect();
-    for (n, d) in &objects {
-        c.put(pool, n.as_bytes(), d).unwrap();
-    }
+    let mut objects = put_objects(c, pool, "before", 0, 16);
     // Every PG's first pass has run (the members carry their marks).
     wait_recovered(c, |_| true);
 
@@ -551,12 +553,7 @@ fn a_restarted_node_refuses_shard_ops_until_its_boot_is_answered() {
     let h = cluster(4);
     let c = &h.client;
     let pool = c.create_pool("gate", 2, 1, 4096, 8, None).unwrap();
-    let objects: Vec<(String, Vec<u8>)> = (0..6)
-        .map(|i| (format!("g-{i}"), bytes(900 + i as u64, size_of(i))))
-        .collect();
-    for (n, d) in &objects {
-        c.put(pool, n.as_bytes(), d).unwrap();
-    }
+    let objects = put_objects(c, pool, "g", 900, 6);
     let map = c.map();
     let p = &map.pools[&pool];
     let a = Acting::compute(&map, p, pg_of(p, b"gate-probe"));
@@ -702,12 +699,7 @@ fn survivors_stop_redialling_a_node_marked_down_and_reconnect_when_it_is_back() 
     let h = cluster(4);
     let c = &h.client;
     let pool = c.create_pool("p", 2, 2, 4096, 16, None).unwrap();
-    let mut objects: Vec<(String, Vec<u8>)> = (0..48)
-        .map(|i| (format!("obj-{i}"), bytes(i as u64, size_of(i))))
-        .collect();
-    for (n, d) in &objects {
-        c.put(pool, n.as_bytes(), d).unwrap();
-    }
+    let mut objects = put_objects(c, pool, "obj", 0, 48);
     wait_recovered(c, |_| true);
     let node = |id: u32, k: &str| c.perf_dump(id).unwrap()["node"][k].as_u64().unwrap();
     let reconnects = |id: u32| {
