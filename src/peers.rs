@@ -8,7 +8,6 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 
 use messenger::{Connection, Identity, Messenger};
@@ -19,8 +18,6 @@ use crate::monclient::MonClient;
 #[derive(Default)]
 pub struct PeerConns {
     inner: Mutex<Table>,
-    /// Connections closed because the map marked their node down.
-    closed: AtomicU64,
 }
 
 #[derive(Default)]
@@ -28,6 +25,8 @@ struct Table {
     conns: HashMap<u32, Connection>,
     /// `MonClient::node_change_epoch` at the last prune.
     pruned_at: u64,
+    /// Connections closed because the map marked their node down.
+    closed: u64,
 }
 
 impl PeerConns {
@@ -44,7 +43,7 @@ impl PeerConns {
         // Held across the connect: threads racing to reach the same node share one
         // connection (a second one would close the first under the other's requests).
         let mut t = self.inner.lock().unwrap();
-        self.closed.fetch_add(t.prune(monc) as u64, Relaxed);
+        t.prune(monc);
         if let Some(c) = t.conns.get(&id) {
             if c.peer_addr() == addr {
                 return Ok(c.clone());
@@ -59,11 +58,9 @@ impl PeerConns {
 
     /// Close the connections to nodes the map marks down or no longer lists, if node states
     /// changed since the last look; returns how many were closed. Cheap when nothing changed
-    /// (one atomic load), so callers may run it on every tick.
+    /// (one atomic load under the table's lock), so callers may run it on every tick.
     pub fn prune(&self, monc: &MonClient) -> usize {
-        let n = self.inner.lock().unwrap().prune(monc);
-        self.closed.fetch_add(n as u64, Relaxed);
-        n
+        self.inner.lock().unwrap().prune(monc)
     }
 
     /// Kept connections.
@@ -77,7 +74,7 @@ impl PeerConns {
 
     /// Connections closed so far because the map marked their node down.
     pub fn closed(&self) -> u64 {
-        self.closed.load(Relaxed)
+        self.inner.lock().unwrap().closed
     }
 }
 
@@ -103,6 +100,8 @@ impl Table {
             keep
         });
         self.pruned_at = epoch;
-        before - self.conns.len()
+        let n = before - self.conns.len();
+        self.closed += n as u64;
+        n
     }
 }
