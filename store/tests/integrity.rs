@@ -554,8 +554,8 @@ type ObjState = Option<(u64, Vec<u8>)>;
 /// a log of writes and removes. The salvage open always succeeds, and every object then reads
 /// as one of the states it really had — (version, bytes) from its history, or absent where
 /// its history was absent — or fails `Corrupted` at a place the report names. Never other
-/// bytes. A second open reads the same. Seeds: `NVSTORE_SALVAGE_SEEDS` (default 40), or one
-/// seed with `NVSTORE_SEED`.
+/// bytes. A second open reads the same. Seeds: `NVSTORE_SALVAGE_SEEDS` (default 40) starting
+/// at `NVSTORE_SALVAGE_SEED_FROM` (default 0), or one seed with `NVSTORE_SEED`.
 #[test]
 fn salvage_never_returns_bytes_an_object_never_had() {
     use rand::{Rng, SeedableRng};
@@ -565,11 +565,16 @@ fn salvage_never_returns_bytes_an_object_never_had() {
         .and_then(|v| v.parse().ok())
     {
         Some(s) => vec![s],
-        None => (0..std::env::var("NVSTORE_SALVAGE_SEEDS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(40u64))
-            .collect(),
+        None => {
+            let var = |name: &str, default: u64| {
+                std::env::var(name)
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(default)
+            };
+            let from = var("NVSTORE_SALVAGE_SEED_FROM", 0);
+            (from..from + var("NVSTORE_SALVAGE_SEEDS", 40)).collect()
+        }
     };
     let mut outcomes = [0usize; 3]; // clean, salvaged, objects not at their newest state
     for seed in seeds {
