@@ -97,7 +97,17 @@ fn a_cluster_through_the_cli() {
         assert!(st.contains("size 300001"), "{st}");
         let ls = ok(&nvstore(&["ls", "p2"], c), "ls");
         assert!(ls.starts_with("obj\t300001\t"), "{ls}");
-        let status = ok(&nvstore(&["status"], c), "status");
+        // The new pool's PGs each get a first recovery pass (planning, nothing to move);
+        // until those finish, health says "recovering … pg(s) pending". On a busy host that
+        // takes a moment: wait for it rather than catch it mid-way.
+        let t = std::time::Instant::now();
+        let status = loop {
+            let s = ok(&nvstore(&["status"], c), "status");
+            if s.contains("HEALTH_OK") || t.elapsed() > std::time::Duration::from_secs(30) {
+                break s;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        };
         assert!(
             status.contains("HEALTH_OK") && status.contains("8 up, 8 in"),
             "{status}"
