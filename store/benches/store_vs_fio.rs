@@ -466,10 +466,11 @@ fn restart(path: &Path, size: u64, n: u64) {
     println!("\n## restart with {n} objects (1 KiB each)");
     for (no_ckpt, open, r, idx) in &rows {
         println!(
-            "  {:<22} open {:>7.3} s: {} from checkpoint, replayed {:.1} MiB of log; index {idx:.0} B/object",
+            "  {:<22} open {:>7.3} s: {} from checkpoint ({:.1} MiB), replayed {:.1} MiB of log; index {idx:.0} B/object",
             if *no_ckpt { "checkpoints off" } else { "with checkpoints" },
             open.as_secs_f64(),
             r.checkpoint_objects,
+            r.checkpoint_bytes as f64 / 1048576.0,
             r.replayed_bytes as f64 / 1048576.0
         );
     }

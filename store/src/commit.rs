@@ -338,6 +338,8 @@ struct Checkpointing {
     cursor: Option<ObjectKey>,
     batches: u32,
     objects: u64,
+    /// Bytes written so far (batches, headers and padding).
+    bytes: u64,
     waiters: Vec<Sender<Result<()>>>,
 }
 
@@ -351,6 +353,9 @@ pub(crate) struct Committer<D: BlockDevice> {
     ckpt: Option<Checkpointing>,
     ckpt_requests: Vec<Sender<Result<()>>>,
     log_bytes_since_ckpt: u64,
+    /// Size of the newest checkpoint: the next one is due only after at least this much log
+    /// (see [`Committer::checkpoint_due`]).
+    last_ckpt_bytes: u64,
     failed: Option<String>,
     /// Newest log batch known durable (the last batch of the last completed round).
     durable_through: u64,
@@ -393,6 +398,9 @@ impl<D: BlockDevice> Committer<D> {
     ) -> Result<Self> {
         let em = Emitter::new(&sh.dev, sh.config.staging_bytes)?;
         let durable_through = log.pos.batch_seq - 1;
+        // The checkpoint this open loaded, sized by its batch count (each batch is at most
+        // `ckpt_batch_max` bytes and filled to within 64 KiB of it).
+        let last_ckpt_bytes = sb.ckpt_batches.get() as u64 * ckpt_batch_max(&log.layout);
         Ok(Committer {
             sh,
             em,
@@ -403,6 +411,7 @@ impl<D: BlockDevice> Committer<D> {
             ckpt: None,
             ckpt_requests: Vec::new(),
             log_bytes_since_ckpt: 0,
+            last_ckpt_bytes,
             failed: None,
             durable_through,
             space_waiters: Vec::new(),
@@ -1153,7 +1162,18 @@ impl<D: BlockDevice> Committer<D> {
         if !self.ckpt_requests.is_empty() {
             return true;
         }
-        if self.log_bytes_since_ckpt >= self.sh.config.checkpoint_interval_bytes {
+        // After `checkpoint_interval_bytes` of log, or after as much log as the last checkpoint
+        // took, whichever is more. A checkpoint costs its size in device writes and a walk of
+        // the whole index, however little changed: with the interval alone, a node of 10 M
+        // objects (~1.3 GB of checkpoint) would write five times more checkpoint than log.
+        // So checkpoints never write more than the log they cover, and a restart still
+        // replays at most the larger of the interval and one checkpoint's size.
+        let due_after = self
+            .sh
+            .config
+            .checkpoint_interval_bytes
+            .max(self.last_ckpt_bytes);
+        if self.log_bytes_since_ckpt >= due_after {
             return true;
         }
         // The cleaner freed segments that only a checkpoint can release.
@@ -1203,6 +1223,7 @@ impl<D: BlockDevice> Committer<D> {
             cursor: None,
             batches: 0,
             objects: 0,
+            bytes: 0,
             waiters: std::mem::take(&mut self.ckpt_requests),
         });
         self.log_bytes_since_ckpt = 0;
@@ -1215,6 +1236,7 @@ impl<D: BlockDevice> Committer<D> {
             Ok(false) => {}
             Ok(true) => {
                 let c = self.ckpt.take().unwrap();
+                self.last_ckpt_bytes = c.bytes;
                 self.sh.stats.checkpoints.inc();
                 for w in c.waiters {
                     let _ = w.send(Ok(()));
@@ -1245,7 +1267,7 @@ impl<D: BlockDevice> Committer<D> {
         const SLICE_BYTES: u64 = 4 << 20;
         let c = self.ckpt.as_mut().unwrap();
         let layout = c.head.layout;
-        let batch_max = (1u64 << 20).min(layout.segment_bytes / 2);
+        let batch_max = ckpt_batch_max(&layout);
         let mut written = 0u64;
         let mut finished = false;
         while written < SLICE_BYTES {
@@ -1288,6 +1310,7 @@ impl<D: BlockDevice> Committer<D> {
             self.em.pad_to_block()?;
             c.batches += 1;
             c.objects += count as u64;
+            c.bytes += bytes;
             written += bytes;
         }
         self.em.submit_all()?;
@@ -1350,6 +1373,11 @@ impl<D: BlockDevice> Committer<D> {
         segs.reclaim(self.log.pos.seg);
         Ok(true)
     }
+}
+
+/// Largest checkpoint batch.
+fn ckpt_batch_max(layout: &crate::stream::Layout) -> u64 {
+    (1u64 << 20).min(layout.segment_bytes / 2)
 }
 
 /// Reserve room for a batch at a stream's head; when that opens a segment, queue the segment

@@ -58,7 +58,8 @@ pub use txn::{AsyncCommit, Transaction};
 /// Tunables of an open store (the on-disk format fixes block, segment and chunk sizes).
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
-    /// Write a checkpoint after this much log.
+    /// Write a checkpoint after this much log, or after as much log as the last checkpoint
+    /// took if that is more (so checkpoints never write more than the log they cover).
     pub checkpoint_interval_bytes: u64,
     /// Largest batch.
     pub batch_bytes_max: u64,

@@ -179,6 +179,73 @@ fn bad_input_gets_clear_errors_and_changes_nothing() {
     assert!(s.xattrs(&key("keep")).unwrap().is_empty());
 }
 
+/// A checkpoint is due after `checkpoint_interval_bytes` of log or after as much log as the
+/// last checkpoint took, whichever is more: a big index is not rewritten every interval.
+#[test]
+fn a_big_index_is_checkpointed_after_as_much_log_as_its_checkpoint() {
+    let dev = sim(128, 9);
+    mkfs(&dev, &mkfs_opts()).unwrap();
+    let cfg = StoreConfig {
+        checkpoint_interval_bytes: 256 << 10,
+        cleaner: false,
+        ..StoreConfig::default()
+    };
+    let open = || Store::open(dev.clone(), Some(FSID), cfg.clone()).unwrap();
+    // 20 000 empty objects with 200-byte names: a checkpoint of several MiB.
+    const OBJECTS: u64 = 20_000;
+    let name = |i: u64| key(&format!("{i:0>200}"));
+    let (s, _) = open();
+    for chunk in 0..OBJECTS / 500 {
+        let mut t = Transaction::new();
+        for i in chunk * 500..(chunk + 1) * 500 {
+            t.write_full(name(i), &[]);
+        }
+        s.commit(t).unwrap();
+    }
+    s.checkpoint().unwrap();
+    s.close();
+    let (s, r) = open();
+    eprintln!("{r}");
+    assert_eq!(r.checkpoint_objects, OBJECTS, "{r}");
+    let ckpt = r.checkpoint_bytes;
+    assert!(ckpt > 16 * cfg.checkpoint_interval_bytes, "{r}");
+
+    // Half the checkpoint's size in log: no checkpoint yet, though the interval has passed
+    // many times over (the next open replays all of it).
+    let payload = data(7, 64 << 10);
+    let mut written = 0u64;
+    let mut n = 0u64;
+    let mut put = |s: &Store<_>, upto: u64| {
+        while written < upto {
+            s.write_full(&key(&format!("w{}", n % 8)), &payload)
+                .unwrap();
+            written += payload.len() as u64;
+            n += 1;
+        }
+    };
+    put(&s, ckpt / 2);
+    s.close();
+    let (s, r) = open();
+    eprintln!("{r}");
+    assert_eq!(
+        r.checkpoint_objects, OBJECTS,
+        "no checkpoint before {ckpt} B of log: {r}"
+    );
+    assert!(r.replayed_bytes >= ckpt / 2, "{r}");
+
+    // Well past the checkpoint's size: checkpoints came, and the replay is at most about one
+    // checkpoint's worth of log.
+    put(&s, ckpt / 2 + 3 * ckpt);
+    s.close();
+    let (s, r) = open();
+    eprintln!("{r}");
+    assert_eq!(r.objects, OBJECTS + 8, "{r}");
+    assert_eq!(r.checkpoint_objects, OBJECTS + 8, "{r}");
+    assert!(r.replayed_bytes <= ckpt + ckpt / 4, "{r}");
+    assert_eq!(s.read_vec(&key("w3"), 0, u64::MAX).unwrap(), payload);
+    assert!(s.exists(&name(OBJECTS - 1)));
+}
+
 #[test]
 fn survives_reopen_with_and_without_checkpoint() {
     let dev = sim(64, 6);
