@@ -72,7 +72,10 @@ pub const TICK: Duration = Duration::from_millis(200);
 /// so a member that goes down later is caught up by delta from a recent mark.
 const MARK_REFRESH: Duration = Duration::from_secs(2);
 /// Client latency (p90 of a tick) above this multiple of the baseline halves the window.
-const LATENCY_RISE: f64 = 1.25;
+/// 1.15 rather than 1.25: the goal is on the clients' p99, which a p90 within 1.25× still let
+/// rise to a median 2.33× of its baseline over seven `bench recovery` runs, against 1.83× at
+/// 1.15, for ~16 % less rebuild under load (docs/benchmarks.md, twenty-fourth stop).
+const LATENCY_RISE: f64 = 1.15;
 /// Client latencies kept per tick for the p90.
 const LATENCY_SAMPLES_MAX: usize = 4096;
 /// Range of the pause before each rebuild when one in flight is still too many.
