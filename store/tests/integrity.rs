@@ -145,10 +145,15 @@ fn background_scrub_finds_flips_on_its_own() {
     let objs = fill(&s, 12, 4);
     let victims: Vec<&str> = objs.iter().take(2).map(|(n, _)| n.as_str()).collect();
     flip_chunks(&dev, &s, &victims, 31);
-    // Wait (bounded) for a complete pass that started after the flips.
+    // Wait (bounded) for a complete pass over all 12 objects that ran after the flips. (A
+    // pass that began while the fill was still writing covers only the objects that existed
+    // when its scan reached them, and may already meet the flipped chunks.)
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     let report = loop {
-        if let Some(r) = s.last_scrub().filter(|r| r.corrupt.len() == 2) {
+        if let Some(r) = s
+            .last_scrub()
+            .filter(|r| r.corrupt.len() == 2 && r.objects == 12)
+        {
             break r;
         }
         assert!(
