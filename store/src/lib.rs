@@ -61,7 +61,9 @@ pub struct StoreConfig {
     /// Write a checkpoint after this much log, or after as much log as the last checkpoint
     /// took if that is more (so checkpoints never write more than the log they cover).
     pub checkpoint_interval_bytes: u64,
-    /// Largest batch.
+    /// Largest batch (8 MiB: with the default 8 MiB segments a 4 MiB object then shares a
+    /// batch with its neighbours instead of being cut at every 4 MiB batch boundary, whose
+    /// remainder is copied into the next batch).
     pub batch_bytes_max: u64,
     /// Most data gathered into one commit round.
     pub round_bytes_max: u64,
@@ -93,7 +95,7 @@ impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
             checkpoint_interval_bytes: 256 << 20,
-            batch_bytes_max: 4 << 20,
+            batch_bytes_max: 8 << 20,
             round_bytes_max: 64 << 20,
             staging_bytes: 16 << 20,
             cleaner: true,
