@@ -367,7 +367,7 @@ const HUGE_PAGE: usize = 2 << 20;
 /// contiguous and a 4 MiB write reaches the block layer as a few segments instead of 1 024
 /// pages, which it would split into several requests (`max_segments`).
 fn layout_of(size: usize, align: usize) -> Layout {
-    let align = if size >= HUGE_PAGE && size % HUGE_PAGE == 0 {
+    let align = if size >= HUGE_PAGE && size.is_multiple_of(HUGE_PAGE) {
         align.max(HUGE_PAGE)
     } else {
         align
