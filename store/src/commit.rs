@@ -984,16 +984,8 @@ impl<D: BlockDevice> Committer<D> {
                     .take_while(|&(j, &it)| it == (t, m, i + 1 + j))
                     .count();
                 let cb = len as usize;
-                for j in here..run {
-                    let MutOp::Put(p) = &mut acc[t].txn.muts[m].op else {
-                        unreachable!("a run belongs to a put")
-                    };
-                    if let Some(ChunkSrc::New(d @ DataRef::DmaPart(_), _)) = p.chunks.get_mut(i + j)
-                    {
-                        let mut v = vec![0u8; d.len()];
-                        buf.read_at(j * cb, &mut v);
-                        *d = DataRef::Owned(v);
-                    }
+                if here < run {
+                    self.split_run(&mut acc[t], m, i, &buf, here, run, cb);
                 }
                 self.em
                     .write_dma(at, buf, round_up((here * cb) as u64, layout.block) as usize)?;
@@ -1016,6 +1008,45 @@ impl<D: BlockDevice> Committer<D> {
     }
 
     /// Build the new states of a transaction's objects and encode their records.
+    /// A batch ends inside the DMA run that starts at chunk `i` (`run` whole chunks of `cb`
+    /// bytes in `buf`, of which the first `here` are written now): the rest become a run of
+    /// their own for the next batch, copied once into a pooled DMA buffer (`buf` goes out with
+    /// this batch's write). Without DMA memory to spare they become owned copies instead.
+    #[allow(clippy::too_many_arguments)]
+    fn split_run(
+        &self,
+        a: &mut Accepted,
+        m: usize,
+        i: usize,
+        buf: &DmaBuf,
+        here: usize,
+        run: usize,
+        cb: usize,
+    ) {
+        let MutOp::Put(p) = &mut a.txn.muts[m].op else {
+            unreachable!("a run belongs to a put")
+        };
+        let rest = run - here;
+        if let Ok(mut tail) = self.sh.dev.alloc_read_buf(rest * cb) {
+            tail.copy_from(0, buf, here * cb, rest * cb);
+            if let Some(ChunkSrc::New(d @ DataRef::DmaPart(_), _)) = p.chunks.get_mut(i + here) {
+                *d = DataRef::Dma {
+                    buf: Some(tail),
+                    len: d.len(),
+                    run: rest,
+                };
+            }
+            return;
+        }
+        for j in here..run {
+            if let Some(ChunkSrc::New(d @ DataRef::DmaPart(_), _)) = p.chunks.get_mut(i + j) {
+                let mut v = vec![0u8; d.len()];
+                buf.read_at(j * cb, &mut v);
+                *d = DataRef::Owned(v);
+            }
+        }
+    }
+
     fn encode_txn(&self, a: &mut Accepted, out: &mut Vec<u8>) -> u32 {
         let now = now_ns();
         for (m, mu) in a.txn.muts.iter().enumerate() {
