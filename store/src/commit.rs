@@ -1007,7 +1007,6 @@ impl<D: BlockDevice> Committer<D> {
         Ok(())
     }
 
-    /// Build the new states of a transaction's objects and encode their records.
     /// A batch ends inside the DMA run that starts at chunk `i` (`run` whole chunks of `cb`
     /// bytes in `buf`, of which the first `here` are written now): the rest become a run of
     /// their own for the next batch, copied once into a pooled DMA buffer (`buf` goes out with
@@ -1047,6 +1046,7 @@ impl<D: BlockDevice> Committer<D> {
         }
     }
 
+    /// Build the new states of a transaction's objects and encode their records.
     fn encode_txn(&self, a: &mut Accepted, out: &mut Vec<u8>) -> u32 {
         let now = now_ns();
         for (m, mu) in a.txn.muts.iter().enumerate() {
