@@ -298,6 +298,118 @@ fn proc_status_kib(field: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// `/proc/diskstats` counters of one block device (sectors are 512 bytes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DiskCounters {
+    pub reads: u64,
+    pub read_sectors: u64,
+    pub read_ms: u64,
+    pub writes: u64,
+    pub write_sectors: u64,
+    pub write_ms: u64,
+    /// Time-weighted milliseconds of requests in flight (the average queue depth × elapsed).
+    pub weighted_ms: u64,
+}
+
+/// The counters of device `major:minor` in a `/proc/diskstats` text.
+pub fn parse_diskstats(text: &str, major: u64, minor: u64) -> Option<DiskCounters> {
+    text.lines().find_map(|l| {
+        let f: Vec<u64> = l
+            .split_whitespace()
+            .enumerate()
+            .filter(|&(i, _)| i != 2)
+            .map(|(_, v)| v.parse().ok())
+            .collect::<Option<_>>()?;
+        // major minor [name] reads merged sectors ms writes merged sectors ms inflight io_ms weighted_ms
+        (f.len() >= 13 && f[0] == major && f[1] == minor).then(|| DiskCounters {
+            reads: f[2],
+            read_sectors: f[4],
+            read_ms: f[5],
+            writes: f[6],
+            write_sectors: f[8],
+            write_ms: f[9],
+            weighted_ms: f[12],
+        })
+    })
+}
+
+/// What the disk under a file saw during a phase of a benchmark: request sizes, queue depth and
+/// latency, from the kernel's own counters (so the same for our IO and fio's). Started with
+/// [`DiskPhase::start`], read with [`DiskPhase::finish`].
+#[derive(Debug, Clone, Copy)]
+pub struct DiskPhase {
+    dev: (u64, u64),
+    start: DiskCounters,
+    t0: Instant,
+}
+
+/// The difference of the counters over a phase and its length.
+#[derive(Debug, Clone, Copy)]
+pub struct DiskDelta {
+    pub c: DiskCounters,
+    pub secs: f64,
+}
+
+impl DiskPhase {
+    /// `None` when the file is not on a block device listed in `/proc/diskstats` (tmpfs).
+    pub fn start(path: &Path) -> Option<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let d = std::fs::metadata(path).ok()?.dev();
+        // glibc's gnu_dev_major / gnu_dev_minor.
+        let dev = (
+            ((d >> 8) & 0xfff) | ((d >> 32) & !0xfff),
+            (d & 0xff) | ((d >> 12) & !0xff),
+        );
+        let start = parse_diskstats(
+            &std::fs::read_to_string("/proc/diskstats").ok()?,
+            dev.0,
+            dev.1,
+        )?;
+        Some(DiskPhase {
+            dev,
+            start,
+            t0: Instant::now(),
+        })
+    }
+
+    pub fn finish(&self) -> Option<DiskDelta> {
+        let now = std::fs::read_to_string("/proc/diskstats").ok()?;
+        let e = parse_diskstats(&now, self.dev.0, self.dev.1)?;
+        let s = &self.start;
+        Some(DiskDelta {
+            c: DiskCounters {
+                reads: e.reads.saturating_sub(s.reads),
+                read_sectors: e.read_sectors.saturating_sub(s.read_sectors),
+                read_ms: e.read_ms.saturating_sub(s.read_ms),
+                writes: e.writes.saturating_sub(s.writes),
+                write_sectors: e.write_sectors.saturating_sub(s.write_sectors),
+                write_ms: e.write_ms.saturating_sub(s.write_ms),
+                weighted_ms: e.weighted_ms.saturating_sub(s.weighted_ms),
+            },
+            secs: self.t0.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+impl std::fmt::Display for DiskDelta {
+    /// `writes 2048 KiB/req, 23.1 in flight, 5.20 ms` (reads instead when they moved more).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let c = &self.c;
+        let (what, n, sectors, ms) = if c.read_sectors > c.write_sectors {
+            ("reads", c.reads, c.read_sectors, c.read_ms)
+        } else {
+            ("writes", c.writes, c.write_sectors, c.write_ms)
+        };
+        write!(
+            f,
+            "{what} {:.0} KiB/req, {:.1} in flight, {:.2} ms",
+            sectors as f64 / 2.0 / n.max(1) as f64,
+            c.weighted_ms as f64 / 1e3 / self.secs.max(1e-9),
+            ms as f64 / n.max(1) as f64
+        )
+    }
+}
+
 /// Median of a non-empty list.
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -442,6 +554,22 @@ pub fn prefill<D: BlockDevice>(dev: &D, span_bytes: u64) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn diskstats_parse_and_phase_summary() {
+        let text = "   7       0 loop0 10 0 80 1 0 0 0 0 0 1 1 0 0 0 0 0 0\n \
+                    254       0 vda 100 5 800 30 200 7 819200 1000 3 900 2400 0 0 0 0 40 20\n \
+                    254       1 vda1 1 0 8 1 2 0 16 1 0 1 2\n";
+        let c = super::parse_diskstats(text, 254, 0).unwrap();
+        assert_eq!((c.reads, c.read_sectors, c.read_ms), (100, 800, 30));
+        assert_eq!((c.writes, c.write_sectors, c.write_ms), (200, 819200, 1000));
+        assert_eq!(c.weighted_ms, 2400);
+        assert_eq!(super::parse_diskstats(text, 254, 1).unwrap().writes, 2);
+        assert_eq!(super::parse_diskstats(text, 8, 0), None);
+        let d = super::DiskDelta { c, secs: 2.0 };
+        // 819200 sectors / 200 writes = 2048 KiB; 2.4 s of weighted time over 2 s; 5 ms each.
+        assert_eq!(d.to_string(), "writes 2048 KiB/req, 1.2 in flight, 5.00 ms");
+    }
+
     use super::*;
 
     #[test]

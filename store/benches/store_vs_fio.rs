@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use driver::workload::{run_fio_with, Pattern, Report, Spec};
+use driver::workload::{run_fio_with, DiskDelta, DiskPhase, Pattern, Report, Spec};
 use driver::{BlockDevice, FileDevice, FileOptions, Request};
 use nvstore_store::bench::{drive, key};
 use nvstore_store::{mkfs, MkfsOptions, Store, StoreConfig};
@@ -251,15 +251,19 @@ fn large_writes(path: &Path, size: u64, secs: f64, pairs: usize, levels: &[usize
         for (&writers, lv) in levels.iter().zip(all.iter_mut()) {
             let depth = writers as u32;
             let (s, _dev) = fresh(path, size, false);
+            let disk = DiskPhase::start(path);
             let ops = drive(writers, secs, |t, i| {
                 s.write_full(&key((t as u64 * 1_000_000 + i) % objects), &data)
                     .unwrap();
             });
+            let disk_ours = disk.and_then(|d| d.finish());
             let st = s.stats();
             drop(s);
             let ours = ops * 4.0 * 1048576.0 / 1e6;
             sparse_again(path, size);
+            let disk = DiskPhase::start(path);
             let f = fio(path, Pattern::SeqWrite, 4 << 20, depth, size / 2, secs, &[]);
+            let disk_fio = disk.and_then(|d| d.finish());
             let theirs = f.as_ref().map(|r| r.mb_per_s());
             // Context, not the goal's baseline: fio made about as durable as the store, a
             // flush after every two writes. On a virtual disk with a write-back cache the
@@ -286,6 +290,7 @@ fn large_writes(path: &Path, size: u64, secs: f64, pairs: usize, levels: &[usize
                 synced.unwrap_or(0.0),
                 ratio(ours, synced)
             );
+            print_disk(&disk_ours, &disk_fio);
             lv.ours.push(ours);
             if let Some(t) = synced {
                 lv.synced.push(t);
@@ -376,11 +381,13 @@ fn small_reads(path: &Path, size: u64, secs: f64, quick: bool) {
     let n = if quick { 5_000 } else { 200_000 };
     let data = vec![0x22u8; 4096];
     nvstore_store::bench::fill(&s, n, &data, 32);
+    let disk = DiskPhase::start(path);
     let ops = drive(32, secs, |t, i| {
         let k = key((i.wrapping_mul(2_654_435_761) ^ (t as u64 * 97)) % n);
         let r = s.read(&k, 0, 4096).unwrap();
         assert_eq!(r.len(), 4096);
     });
+    let disk_ours = disk.and_then(|d| d.finish());
     // One thread keeping 32 reads in flight through the async Reader (what a node's op
     // worker does), like fio's one thread at QD32.
     let batch: usize = std::env::var("NVSTORE_READ_BATCH")
@@ -430,7 +437,9 @@ fn small_reads(path: &Path, size: u64, secs: f64, quick: bool) {
         span >> 20,
         100.0 * (1.0 - data as f64 / span.max(1) as f64)
     );
+    let disk = DiskPhase::start(path);
     let f = fio(path, Pattern::RandRead, 4096, 32, span, secs, &[]);
+    let disk_fio = disk.and_then(|d| d.finish());
     // Reads warm caches under a virtual disk (the host's page cache): run ours again after
     // fio, and report the better of our two runs, so neither side gets the warm device alone.
     let (s, _) = Store::open(
@@ -479,6 +488,16 @@ fn small_reads(path: &Path, size: u64, secs: f64, quick: bool) {
         "  fio randread QD32       {:>9.0} IOPS",
         f.as_ref().map_or(0.0, |r| r.iops())
     );
+    print_disk(&disk_ours, &disk_fio);
+}
+
+/// The disk's own view of a store phase and the fio phase it is compared with (request size,
+/// requests in flight, latency per request: `/proc/diskstats`), under each 4 MiB pair and
+/// the 4 KiB reads (the first 32-thread run); nothing when the file is not on a block device.
+fn print_disk(ours: &Option<DiskDelta>, fio: &Option<DiskDelta>) {
+    if let (Some(o), Some(f)) = (ours, fio) {
+        println!("      disk: store {o}   fio {f}");
+    }
 }
 
 fn restart(path: &Path, size: u64, n: u64) {
