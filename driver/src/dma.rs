@@ -433,7 +433,7 @@ impl HostMemory {
             }
         }
         let layout = self.layout(len);
-        // SAFETY: layout has a non-zero size.
+        // SAFETY: layout has a non-zero size (a class size, or `len.max(1)`).
         let ptr = NonNull::new(unsafe { std::alloc::alloc(layout) })?;
         if layout.align() >= HUGE_PAGE {
             // SAFETY: a hint over whole huge pages of an allocation this buffer owns (its

@@ -355,11 +355,7 @@ impl DiskPhase {
     pub fn start(path: &Path) -> Option<Self> {
         use std::os::unix::fs::MetadataExt;
         let d = std::fs::metadata(path).ok()?.dev();
-        // glibc's gnu_dev_major / gnu_dev_minor.
-        let dev = (
-            ((d >> 8) & 0xfff) | ((d >> 32) & !0xfff),
-            (d & 0xff) | ((d >> 12) & !0xff),
-        );
+        let dev = (u64::from(libc::major(d)), u64::from(libc::minor(d)));
         let start = parse_diskstats(
             &std::fs::read_to_string("/proc/diskstats").ok()?,
             dev.0,
@@ -554,23 +550,23 @@ pub fn prefill<D: BlockDevice>(dev: &D, span_bytes: u64) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn diskstats_parse_and_phase_summary() {
         let text = "   7       0 loop0 10 0 80 1 0 0 0 0 0 1 1 0 0 0 0 0 0\n \
                     254       0 vda 100 5 800 30 200 7 819200 1000 3 900 2400 0 0 0 0 40 20\n \
                     254       1 vda1 1 0 8 1 2 0 16 1 0 1 2\n";
-        let c = super::parse_diskstats(text, 254, 0).unwrap();
+        let c = parse_diskstats(text, 254, 0).unwrap();
         assert_eq!((c.reads, c.read_sectors, c.read_ms), (100, 800, 30));
         assert_eq!((c.writes, c.write_sectors, c.write_ms), (200, 819200, 1000));
         assert_eq!(c.weighted_ms, 2400);
-        assert_eq!(super::parse_diskstats(text, 254, 1).unwrap().writes, 2);
-        assert_eq!(super::parse_diskstats(text, 8, 0), None);
-        let d = super::DiskDelta { c, secs: 2.0 };
+        assert_eq!(parse_diskstats(text, 254, 1).unwrap().writes, 2);
+        assert_eq!(parse_diskstats(text, 8, 0), None);
+        let d = DiskDelta { c, secs: 2.0 };
         // 819200 sectors / 200 writes = 2048 KiB; 2.4 s of weighted time over 2 s; 5 ms each.
         assert_eq!(d.to_string(), "writes 2048 KiB/req, 1.2 in flight, 5.00 ms");
     }
-
-    use super::*;
 
     #[test]
     fn parses_fio_json() {
