@@ -20,7 +20,7 @@ use hdrhistogram::Histogram;
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 
-use crate::cluster_cmd::{LocalCluster, LocalOptions};
+use crate::cluster_cmd::{DownOnUnwind, LocalCluster, LocalOptions};
 use crate::config::{write_toml, NodeConfig};
 use crate::monitor::NodeStats;
 use crate::placement::{pg_of, Acting};
@@ -430,6 +430,7 @@ fn own_cluster(a: &HotBenchArgs) -> crate::Result<Vec<HotRun>> {
         .map_err(|e| crate::Error::io("temp dir", e))?;
     let exe = std::env::current_exe().map_err(|e| crate::Error::io("current exe", e))?;
     let lc = LocalCluster::new(dir.path(), &exe);
+    let _down = DownOnUnwind(&lc);
     let modes: &[bool] = match a.coalesce {
         Coalesce::On => &[true],
         Coalesce::Off => &[false],

@@ -41,7 +41,7 @@ use hdrhistogram::Histogram;
 use rand::{Rng, RngCore, SeedableRng};
 use serde::Serialize;
 
-use crate::cluster_cmd::{LocalCluster, LocalOptions};
+use crate::cluster_cmd::{DownOnUnwind, LocalCluster, LocalOptions};
 use crate::monitor::raft::MonCommand;
 use crate::node::recovery::RecoveryStats;
 use crate::Client;
@@ -167,6 +167,7 @@ pub fn run(a: RecoveryBenchArgs) -> Result<ExitCode, Box<dyn std::error::Error>>
         }
     };
     let lc = LocalCluster::new(&dir, &std::env::current_exe()?);
+    let _down = DownOnUnwind(&lc);
     let per_node = a.size * (a.k + a.m) as u64 / a.k as u64 / (a.nodes - 2) as u64;
     lc.create(&LocalOptions {
         nodes: a.nodes,

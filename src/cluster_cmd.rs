@@ -75,6 +75,20 @@ pub struct LocalCluster {
     pub detach: bool,
 }
 
+/// Takes a local cluster down if the thread unwinds past it. A program that panics part way
+/// (the demo, or a bench whose output pipe closed: printing then panics) must not leave its
+/// node processes running — in a temporary directory removed on the way out, nothing would
+/// find them to stop them.
+pub struct DownOnUnwind<'a>(pub &'a LocalCluster);
+
+impl Drop for DownOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let _ = self.0.down();
+        }
+    }
+}
+
 fn free_port() -> Result<u16> {
     let l = TcpListener::bind("127.0.0.1:0").map_err(|e| Error::io("bind a free port", e))?;
     Ok(l.local_addr()

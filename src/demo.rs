@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use rand::{RngCore, SeedableRng};
 
-use crate::cluster_cmd::{LocalCluster, LocalOptions};
+use crate::cluster_cmd::{DownOnUnwind, LocalCluster, LocalOptions};
 use crate::placement::{pg_of, Acting};
 use crate::Client;
 
@@ -62,6 +62,7 @@ pub fn run(a: DemoArgs) -> DemoResult {
         }
     };
     let lc = LocalCluster::new(&dir, &std::env::current_exe()?);
+    let _down = DownOnUnwind(&lc);
     let r = demo(&lc, &a);
     if a.keep {
         if let Some(t) = _tmp {

@@ -152,3 +152,58 @@ fn a_cluster_through_the_cli() {
     r.unwrap();
     assert!(ok(&down, "cluster down").contains("stopped 9 process(es)"));
 }
+
+/// `nvstore demo | head -3`: the demo's output pipe closes while its cluster runs, its next
+/// print fails (a panic: Rust ignores SIGPIPE), and on the way out it takes the cluster down.
+/// No monitor or node process is left running from its directory.
+#[test]
+fn a_demo_whose_output_closes_leaves_no_processes() {
+    use std::io::BufRead;
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::Builder::new()
+        .prefix("nvstore-unwind-")
+        .tempdir()
+        .unwrap();
+    let d = dir.path().join("cluster");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_nvstore"))
+        .args(["demo", "--dir", d.to_str().unwrap()])
+        .env_remove("NVSTORE_CONF")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("run nvstore demo");
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    // Read until the cluster is up (step 2 starts), then close the pipe.
+    while !line.contains("== 2.") {
+        line.clear();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "the demo ended before its cluster was up"
+        );
+    }
+    drop(out);
+    let status = child.wait().unwrap();
+    assert!(
+        !status.success(),
+        "the demo cannot succeed without its output"
+    );
+    let needle = d.to_str().unwrap().as_bytes().to_vec();
+    let left: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| n.parse::<u32>().is_ok())
+        })
+        .filter_map(|e| {
+            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            let zombie = stat.rsplit(')').next()?.trim_start().starts_with('Z');
+            let ours = cmd.windows(needle.len()).any(|w| w == needle.as_slice());
+            (ours && !zombie).then(|| String::from_utf8_lossy(&cmd).replace('\0', " "))
+        })
+        .collect();
+    assert!(left.is_empty(), "processes left running: {left:?}");
+}
