@@ -557,7 +557,16 @@ pub fn run_cluster(cmd: ClusterCommand) -> CliResult {
             Ok(ExitCode::SUCCESS)
         }
         ClusterCommand::Down { dir } => {
-            let n = LocalCluster::new(&dir, &exe).down()?;
+            let lc = LocalCluster::new(&dir, &exe);
+            if lc.members()?.is_empty() {
+                return Err(format!(
+                    "{} holds no cluster made by `nvstore cluster up` (no mon.N or node.N \
+                     directory in it)",
+                    dir.display()
+                )
+                .into());
+            }
+            let n = lc.down()?;
             println!("stopped {n} process(es); data kept in {}", dir.display());
             Ok(ExitCode::SUCCESS)
         }

@@ -207,3 +207,23 @@ fn a_demo_whose_output_closes_leaves_no_processes() {
         .collect();
     assert!(left.is_empty(), "processes left running: {left:?}");
 }
+
+/// `cluster down` on a directory that holds no cluster says so and fails, rather than report
+/// "stopped 0 processes" as if a cluster had been there and stopped.
+#[test]
+fn cluster_down_names_a_directory_without_a_cluster() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let o = nvstore(&["cluster", "down", "--dir", d], None);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "an empty directory is not a cluster");
+    assert!(
+        err.contains(d) && err.contains("holds no cluster made by `nvstore cluster up`"),
+        "{err}"
+    );
+    let gone = dir.path().join("nothing-here");
+    let o = nvstore(&["cluster", "down", "--dir", gone.to_str().unwrap()], None);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(err.contains("nothing-here"), "{err}");
+}
