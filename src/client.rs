@@ -3,6 +3,10 @@
 //! Connect with monitor addresses and the cluster key; the client keeps the map current
 //! (pushes plus a poll), sends each op to its PG's primary, and when the primary changed (or
 //! died) waits for the map to say who leads now and retries there, until the op's deadline.
+//! An op waiting for a reply does not wait for the deadline when the map moves its PG to
+//! another primary meanwhile: a primary cut off by the network leaves its clients'
+//! connections hanging, not closed, so the map is what says to go elsewhere (Ceph's Objecter
+//! resends on map changes the same way).
 //!
 //! Retries resend the request: a write whose reply was lost may apply twice, which is
 //! harmless for write_full/write/remove/xattrs but not for append (no request-id dedup yet).
@@ -157,13 +161,13 @@ impl Client {
         self.conns.get(&self.msgr, &self.monc, node, addr)
     }
 
-    /// Run `f(primary connection, epoch)` against the primary of (pool, name), retrying on
-    /// primary changes and lost connections until the op deadline.
+    /// Run `f(attempt)` against the primary of (pool, name), retrying on primary changes and
+    /// lost connections until the op deadline.
     fn with_primary<T>(
         &self,
         pool: u64,
         name: &[u8],
-        mut f: impl FnMut(&Connection, u64, Duration) -> Result<T>,
+        mut f: impl FnMut(&Attempt) -> Result<T>,
     ) -> Result<T> {
         let deadline = Instant::now() + self.timeout;
         let mut last = String::from("no attempt");
@@ -195,12 +199,16 @@ impl Client {
                 continue;
             };
             let addr = map.nodes[&primary].addr;
-            let r = self.conn(primary, addr).and_then(|c| {
-                f(
-                    &c,
-                    map.epoch,
-                    deadline.saturating_duration_since(Instant::now()),
-                )
+            let r = self.conn(primary, addr).and_then(|conn| {
+                f(&Attempt {
+                    client: self,
+                    conn,
+                    epoch: map.epoch,
+                    deadline,
+                    pool,
+                    pg: a.pg,
+                    primary,
+                })
             });
             match r {
                 Ok(v) => return Ok(v),
@@ -237,9 +245,9 @@ impl Client {
         upload: u64,
     ) -> Result<(u64, Vec<OpResult>)> {
         ops::check_name(name).map_err(|m| Error::remote(Status::Invalid, m))?;
-        self.with_primary(pool, name, |c, epoch, left| {
+        self.with_primary(pool, name, |at| {
             let msg = ClientOp {
-                epoch,
+                epoch: at.epoch,
                 pool,
                 name,
                 flags,
@@ -247,18 +255,13 @@ impl Client {
                 ops: sub.to_vec(),
             }
             .encode();
-            self.send_op(c, OutMessage::new(wire::MSG_CLIENT_OP, msg), left)
+            self.send_op(at, OutMessage::new(wire::MSG_CLIENT_OP, msg))
         })
     }
 
     /// Send one encoded client op and decode its results.
-    fn send_op(
-        &self,
-        c: &Connection,
-        msg: OutMessage,
-        left: Duration,
-    ) -> Result<(u64, Vec<OpResult>)> {
-        let reply = c.request(msg, left)?;
+    fn send_op(&self, at: &Attempt, msg: OutMessage) -> Result<(u64, Vec<OpResult>)> {
+        let reply = at.request(msg)?;
         let (e, body) = wire::parse_reply_epoch(&reply.payload);
         if e > self.monc.epoch() {
             let _ = self.monc.subscribe();
@@ -274,9 +277,9 @@ impl Client {
             return self.put(pool, name, &data);
         }
         ops::check_name(name).map_err(|m| Error::remote(Status::Invalid, m))?;
-        self.with_primary(pool, name, |c, epoch, left| {
+        self.with_primary(pool, name, |at| {
             let (head, tail) = ClientOp {
-                epoch,
+                epoch: at.epoch,
                 pool,
                 name,
                 flags: 0,
@@ -286,7 +289,7 @@ impl Client {
             .encode_head();
             debug_assert_eq!(tail.len(), data.len());
             let msg = OutMessage::new(wire::MSG_CLIENT_OP, head).with_part(data.clone());
-            Ok(self.send_op(c, msg, left)?.0)
+            Ok(self.send_op(at, msg)?.0)
         })
     }
 
@@ -314,18 +317,18 @@ impl Client {
             split
         };
         let (staged, tail) = data.split_at(split);
-        self.with_primary(pool, name, |c, epoch, left| {
+        self.with_primary(pool, name, |at| {
             let upload = self.next_upload.fetch_add(1, Relaxed);
             for (i, part) in staged.chunks(ops::MESSAGE_DATA_BYTES_MAX).enumerate() {
-                let mut e = Enc::new(epoch);
+                let mut e = Enc::new(at.epoch);
                 e.u64(upload)
                     .u64((i * ops::MESSAGE_DATA_BYTES_MAX) as u64)
                     .bytes(part);
-                let reply = c.request(OutMessage::new(wire::MSG_CLIENT_STAGE, e.finish()), left)?;
+                let reply = at.request(OutMessage::new(wire::MSG_CLIENT_STAGE, e.finish()))?;
                 wire::parse_reply(&reply.payload)?;
             }
             let msg = ClientOp {
-                epoch,
+                epoch: at.epoch,
                 pool,
                 name,
                 flags: ops::FLAG_STAGED,
@@ -333,7 +336,7 @@ impl Client {
                 ops: vec![SubOp::WriteFull(tail)],
             }
             .encode();
-            let reply = c.request(OutMessage::new(wire::MSG_CLIENT_OP, msg), left)?;
+            let reply = at.request(OutMessage::new(wire::MSG_CLIENT_OP, msg))?;
             let (_, body) = wire::parse_reply_epoch(&reply.payload);
             Ok(ops::decode_results(body?)?.0)
         })
@@ -495,6 +498,67 @@ impl Client {
             }
         }
         Ok(out)
+    }
+}
+
+/// How often a request waiting for its reply looks for a map that moved its PG.
+const RETARGET_CHECK: Duration = Duration::from_millis(50);
+
+/// One try of an op at the primary the map named at `epoch`.
+struct Attempt<'a> {
+    client: &'a Client,
+    conn: Connection,
+    epoch: u64,
+    deadline: Instant,
+    pool: u64,
+    pg: u32,
+    primary: u32,
+}
+
+impl Attempt<'_> {
+    /// Send a request to the primary and wait for its reply until the op's deadline — or
+    /// until a newer map names another primary for the PG (or none), which ends the try with
+    /// `WrongPrimary` so the op goes where the map now points (a reply that still comes is
+    /// dropped).
+    fn request(&self, msg: OutMessage) -> Result<messenger::Reply> {
+        let (tx, rx) = crossbeam::channel::bounded(1);
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        self.conn.request_with(msg, left, move |r| {
+            let _ = tx.send(r);
+        });
+        let mut seen = self.epoch;
+        loop {
+            match rx.recv_timeout(RETARGET_CHECK) {
+                Ok(r) => return Ok(r?),
+                // The worker always answers; a dropped callback means it is gone.
+                Err(crossbeam::channel::RecvTimeoutError::Disconnected) => {
+                    return Err(messenger::Error::Shutdown.into())
+                }
+                Err(crossbeam::channel::RecvTimeoutError::Timeout) => {}
+            }
+            let map = self.client.map();
+            if map.epoch == seen {
+                continue;
+            }
+            seen = map.epoch;
+            let now = map
+                .pools
+                .get(&self.pool)
+                .and_then(|p| self.client.monc.acting(&map, p, self.pg).primary);
+            if now != Some(self.primary) {
+                return Err(Error::remote(
+                    Status::WrongPrimary,
+                    format!(
+                        "node {} no longer leads pg {}.{:x} at epoch {} (now: {}); resending",
+                        self.primary,
+                        self.pool,
+                        self.pg,
+                        map.epoch,
+                        now.map_or("none".into(), |n| format!("node {n}"))
+                    ),
+                ));
+            }
+        }
     }
 }
 

@@ -23,7 +23,11 @@ use messenger::Secret;
 
 use crate::config::{write_toml, ClientConfig, MonitorConfig, NodeConfig};
 use crate::error::{Error, Result};
+use crate::netns::Fabric;
 use crate::Client;
+
+/// The monitors' port on a network-namespace fabric.
+const MON_PORT: u16 = 6789;
 
 /// How long `up` waits for every node to be up in the map.
 const UP_WAIT: Duration = Duration::from_secs(90);
@@ -45,6 +49,9 @@ pub struct LocalOptions {
     pub read_coalescing: bool,
     /// Nodes' `read_cache_bytes`.
     pub read_cache_bytes: u64,
+    /// Every member in a network namespace of its own on one bridge (`netns.rs`; root and
+    /// iproute2), so a member's network can be cut without stopping it. Off: loopback.
+    pub netns: bool,
 }
 
 impl Default for LocalOptions {
@@ -61,6 +68,7 @@ impl Default for LocalOptions {
             slow_op_ms: 5000,
             read_coalescing: true,
             read_cache_bytes: crate::node::local::READ_CACHE_BYTES_DEFAULT,
+            netns: false,
         }
     }
 }
@@ -135,8 +143,29 @@ impl LocalCluster {
         let key = self.dir.join("cluster.key");
         Secret::generate().save(&key)?;
         let fsid = random_uuid();
-        let mons: Vec<SocketAddr> = (0..o.monitors)
-            .map(|_| Ok(SocketAddr::from(([127, 0, 0, 1], free_port()?))))
+        let names: Vec<String> = (1..=o.monitors)
+            .map(|id| format!("mon.{id}"))
+            .chain((1..=o.nodes).map(|id| format!("node.{id}")))
+            .collect();
+        let fabric = if o.netns {
+            Some(Fabric::create(&self.dir, &names)?)
+        } else {
+            None
+        };
+        // A member's address: its own on the fabric, else loopback. Port 0 where the member
+        // records the port it got (no race for free ports).
+        let addr = |member: &str, port: u16| -> Result<SocketAddr> {
+            Ok(match &fabric {
+                Some(f) => SocketAddr::from((f.addr(member)?, port)),
+                None => SocketAddr::from(([127, 0, 0, 1], port)),
+            })
+        };
+        let mons: Vec<SocketAddr> = (1..=o.monitors)
+            .map(|id| match &fabric {
+                // Alone at its address: any fixed port is free.
+                Some(_) => addr(&format!("mon.{id}"), MON_PORT),
+                None => addr("", free_port()?),
+            })
             .collect::<Result<_>>()?;
         for id in 1..=o.monitors {
             let d = self.dir.join(format!("mon.{id}"));
@@ -151,8 +180,7 @@ impl LocalCluster {
                     data_dir: d.clone(),
                     down_grace_ms: o.down_grace_ms,
                     out_grace_ms: o.out_grace_ms,
-                    // Port 0: the member records the port it got (no race for free ports).
-                    metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+                    metrics_listen: Some(addr(&format!("mon.{id}"), 0)?),
                 },
             )?;
         }
@@ -164,8 +192,7 @@ impl LocalCluster {
                 &NodeConfig {
                     id,
                     host: format!("host{id}"),
-                    // Port 0: the node registers the port it got (no race for free ports).
-                    listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+                    listen: addr(&format!("node.{id}"), 0)?,
                     monitors: mons.clone(),
                     key_file: key.clone(),
                     devices: vec![d.join("dev0.img").display().to_string()],
@@ -177,8 +204,7 @@ impl LocalCluster {
                     write_wait_ms: o.write_wait_ms,
                     busy_poll_us: 20,
                     slow_op_ms: o.slow_op_ms,
-                    // Port 0: the member records the port it got (no race for free ports).
-                    metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+                    metrics_listen: Some(addr(&format!("node.{id}"), 0)?),
                     scrub_bytes_per_sec: 32 << 20,
                     scrub_interval_s: 7 * 24 * 3600,
                     read_coalescing: o.read_coalescing,
@@ -290,7 +316,14 @@ impl LocalCluster {
             .append(true)
             .open(self.dir.join(format!("{member}.log")))
             .map_err(|e| Error::io("open log", e))?;
-        let mut cmd = Command::new(&self.exe);
+        let mut cmd = match Fabric::load(&self.dir)? {
+            Some(f) => {
+                // `down` removed the namespaces; the configs still name their addresses.
+                f.ensure(&self.members()?)?;
+                f.command(member, &self.exe)
+            }
+            None => Command::new(&self.exe),
+        };
         if self.detach {
             std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         }
@@ -406,7 +439,8 @@ impl LocalCluster {
         }
     }
 
-    /// Stop every recorded process (nodes first).
+    /// Stop every recorded process (nodes first), then remove the network namespaces if the
+    /// cluster has them (a later start builds them again, at the same addresses).
     pub fn down(&self) -> Result<usize> {
         let mut n = 0;
         let mut members: Vec<String> = self.pids().into_keys().collect();
@@ -416,7 +450,23 @@ impl LocalCluster {
                 n += 1;
             }
         }
+        if let Some(f) = Fabric::load(&self.dir)? {
+            f.destroy();
+        }
         Ok(n)
+    }
+
+    /// Cut `member`'s network (`connected = false`: nothing reaches it, its process runs on)
+    /// or restore it. Only for a cluster created with `netns`.
+    pub fn set_connected(&self, member: &str, connected: bool) -> Result<()> {
+        match Fabric::load(&self.dir)? {
+            Some(f) => f.set_connected(member, connected),
+            None => Err(Error::Config(format!(
+                "{}: this cluster runs on loopback; only one made with network namespaces \
+                 (`cluster up --netns`) can have a member's network cut",
+                self.dir.display()
+            ))),
+        }
     }
 }
 
@@ -451,6 +501,10 @@ pub enum ClusterCommand {
         /// Create a pool of this name (k = min(6, nodes - 2), m = 2); "" for none
         #[arg(long, default_value = "data")]
         pool: String,
+        /// Put each monitor and node in a network namespace of its own, on one bridge (needs
+        /// root and iproute2), so `cluster cut` can partition one; a new cluster only
+        #[arg(long)]
+        netns: bool,
     },
     /// Stop the processes `up` started (by their recorded ids)
     Down {
@@ -467,6 +521,19 @@ pub enum ClusterCommand {
     },
     /// Start one stopped node or monitor
     Start {
+        #[arg(long)]
+        dir: PathBuf,
+        member: String,
+    },
+    /// Cut one member's network (a cluster made with `up --netns`): it keeps running, and
+    /// nothing reaches it or leaves it until `heal`
+    Cut {
+        #[arg(long)]
+        dir: PathBuf,
+        member: String,
+    },
+    /// Restore a member's network cut by `cut`
+    Heal {
         #[arg(long)]
         dir: PathBuf,
         member: String,
@@ -517,6 +584,7 @@ pub fn run_cluster(cmd: ClusterCommand) -> CliResult {
             dir,
             device_size,
             pool,
+            netns,
         } => {
             let mut lc = LocalCluster::new(&dir, &exe);
             lc.detach = true;
@@ -526,8 +594,15 @@ pub fn run_cluster(cmd: ClusterCommand) -> CliResult {
                     nodes,
                     monitors,
                     device_bytes: device_size,
+                    netns,
                     ..LocalOptions::default()
                 })?;
+            } else if netns && Fabric::load(&dir)?.is_none() {
+                return Err(format!(
+                    "{} holds a cluster made on loopback; --netns applies to a new cluster",
+                    dir.display()
+                )
+                .into());
             }
             let client = lc.up()?;
             if fresh && !pool.is_empty() {
@@ -581,6 +656,16 @@ pub fn run_cluster(cmd: ClusterCommand) -> CliResult {
             lc.detach = true;
             let pid = lc.start_member(&member)?;
             println!("{member} pid {pid}");
+            Ok(ExitCode::SUCCESS)
+        }
+        ClusterCommand::Cut { dir, member } => {
+            LocalCluster::new(&dir, &exe).set_connected(&member, false)?;
+            println!("{member}: network cut (its process runs on; `cluster heal` restores it)");
+            Ok(ExitCode::SUCCESS)
+        }
+        ClusterCommand::Heal { dir, member } => {
+            LocalCluster::new(&dir, &exe).set_connected(&member, true)?;
+            println!("{member}: network restored");
             Ok(ExitCode::SUCCESS)
         }
     }

@@ -22,6 +22,7 @@ pub mod config;
 pub mod demo;
 pub mod monclient;
 pub mod monitor;
+pub mod netns;
 pub mod node;
 pub mod ops;
 pub mod optrack;

@@ -227,3 +227,36 @@ fn cluster_down_names_a_directory_without_a_cluster() {
     assert!(!o.status.success());
     assert!(err.contains("nothing-here"), "{err}");
 }
+
+/// Cutting a member's network needs a cluster made with `--netns`; on a loopback cluster the
+/// command says so (and changes nothing).
+#[test]
+fn cluster_cut_on_a_loopback_cluster_says_it_needs_netns() {
+    let dir = tempfile::tempdir().unwrap();
+    let lc = nvstore::cluster_cmd::LocalCluster::new(
+        dir.path(),
+        std::path::Path::new(env!("CARGO_BIN_EXE_nvstore")),
+    );
+    lc.create(&nvstore::cluster_cmd::LocalOptions {
+        nodes: 2,
+        ..Default::default()
+    })
+    .unwrap();
+    let d = dir.path().to_str().unwrap();
+    for verb in ["cut", "heal"] {
+        let o = nvstore(&["cluster", verb, "--dir", d, "node.1"], None);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{verb} on loopback");
+        assert!(
+            err.contains("runs on loopback") && err.contains("--netns"),
+            "{err}"
+        );
+    }
+    let o = nvstore(&["cluster", "up", "--dir", d, "--netns"], None);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success(),
+        "--netns on an existing loopback cluster"
+    );
+    assert!(err.contains("--netns applies to a new cluster"), "{err}");
+}

@@ -1,0 +1,289 @@
+//! Network partitions: real monitor and node processes, each in a network namespace of its
+//! own on one bridge (`LocalOptions::netns`, `src/netns.rs`). Cutting a member's cable leaves
+//! its process running, its connections open and hanging and its state in memory — what a
+//! switch port or a cable failing does, which killing the process cannot show. Needs root and
+//! iproute2 (`scripts/deps`); where no namespace can be made, each test says so and does
+//! nothing (`scripts/test` prints whether they can run).
+
+mod common;
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use common::{bytes, Harness};
+use nvstore::cluster_cmd::{render_status, LocalOptions};
+use nvstore::config::{write_toml, ClientConfig, MonitorConfig};
+use nvstore::monitor::StatusReport;
+use nvstore::placement::{pg_of, Acting};
+use nvstore::Client;
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// How long a test waits for a map change or recovery before failing.
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Network namespaces need root (CAP_SYS_ADMIN and CAP_NET_ADMIN): where one cannot be made,
+/// say so instead of failing. `scripts/test` prints which case a run is in.
+fn privileged() -> bool {
+    let probe = format!("nvs-probe-{}", std::process::id());
+    let made = std::process::Command::new("ip")
+        .args(["netns", "add", &probe])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if made {
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &probe])
+            .status();
+    } else {
+        eprintln!("skipped: cannot make a network namespace here (needs root and iproute2)");
+    }
+    made
+}
+
+fn cluster(nodes: u32, monitors: u32) -> Harness {
+    common::cluster(
+        "nvstore-partition-test-",
+        &LocalOptions {
+            nodes,
+            monitors,
+            device_bytes: 256 << 20,
+            down_grace_ms: 1500,
+            heartbeat_ms: 200,
+            op_threads: 4,
+            netns: true,
+            ..LocalOptions::default()
+        },
+    )
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < WAIT, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn wait_up(c: &Client, id: u32, up: bool) {
+    wait_until(&format!("node {id} up={up}"), || {
+        let _ = c.refresh_map();
+        c.map().nodes.get(&id).is_some_and(|n| n.up == up)
+    });
+}
+
+/// Wait until no node reports recovery left for a few polls in a row and `done` holds.
+fn wait_recovered(c: &Client, done: impl Fn(&StatusReport) -> bool) -> StatusReport {
+    let t = Instant::now();
+    let mut quiet = 0;
+    loop {
+        let s = c.status().unwrap();
+        if !s.recovery.active() && done(&s) {
+            quiet += 1;
+            if quiet >= 4 {
+                return s;
+            }
+        } else {
+            quiet = 0;
+        }
+        assert!(
+            t.elapsed() < WAIT,
+            "recovery did not finish: {:?}\n{}",
+            s.recovery,
+            render_status(&s)
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+fn read_all(c: &Client, pool: u64, objects: &[(String, Vec<u8>)]) {
+    for (name, data) in objects {
+        let got = c
+            .get(pool, name.as_bytes())
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(got == *data, "{name}: {} bytes read back wrong", data.len());
+    }
+}
+
+fn put(c: &Client, pool: u64, name: &str, seed: u64, len: usize) -> (String, Vec<u8>) {
+    let d = bytes(seed, len);
+    c.put(pool, name.as_bytes(), &d)
+        .unwrap_or_else(|e| panic!("put {name}: {e}"));
+    (name.to_string(), d)
+}
+
+/// The process recorded for `member` is still running.
+fn running(h: &Harness, member: &str) -> bool {
+    let pids = std::fs::read_to_string(h.lc.dir.join("pids")).unwrap();
+    let pid: i32 = pids
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{member} ")))
+        .unwrap_or_else(|| panic!("no pid recorded for {member}"))
+        .trim()
+        .parse()
+        .unwrap();
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        !s.rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z')
+    })
+}
+
+/// A primary whose network is cut (its process running on, its clients' and peers'
+/// connections hanging) is marked down; a write to an object it led completes through the
+/// next primary, new objects are written with its shard missing, and everything reads back
+/// while it is away. Healed, it rejoins without a restart and is caught up from the PG logs
+/// (exactly the objects it missed, no scan); then two other nodes die, and every object reads
+/// back byte-exact — which needs the healed node's shards.
+#[test]
+fn a_partitioned_primary_is_replaced_then_caught_up_by_delta_when_healed() {
+    if !privileged() {
+        return;
+    }
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(8, 1);
+    let c = &h.client;
+    // k + m = 8 nodes: every PG has every node, so every write meanwhile misses the cut one.
+    let pool = c.create_pool("d", 6, 2, 4096, 16, None).unwrap();
+    let mut objects: Vec<(String, Vec<u8>)> = (0..12)
+        .map(|i| {
+            put(
+                c,
+                pool,
+                &format!("before-{i}"),
+                i,
+                [0, 1, 5000, 100_003][i as usize % 4],
+            )
+        })
+        .collect();
+    // Every PG's first pass has run (the members carry their marks).
+    wait_recovered(c, |_| true);
+
+    let map = c.map();
+    let p = &map.pools[&pool];
+    let victim = Acting::compute(&map, p, pg_of(p, b"before-1"))
+        .primary
+        .unwrap();
+    let member = format!("node.{victim}");
+    h.lc.set_connected(&member, false).unwrap();
+
+    // The client's first try goes to the cut primary and hangs; it must end up at the next
+    // one once the monitor marks the victim down.
+    objects[1] = put(c, pool, "before-1", 1001, 70_000);
+    assert!(
+        !c.map().nodes[&victim].up,
+        "the overwrite completed while {member} was still up in the client's map"
+    );
+    let missed = 10;
+    for i in 0..missed {
+        objects.push(put(
+            c,
+            pool,
+            &format!("meanwhile-{i}"),
+            2000 + i,
+            3000 + 7919 * i as usize,
+        ));
+    }
+    read_all(c, pool, &objects);
+    assert!(running(&h, &member), "{member} exited while cut off");
+
+    h.lc.set_connected(&member, true).unwrap();
+    wait_up(c, victim, true);
+    // The objects written meanwhile, and the overwrite.
+    let caught_up = missed + 1;
+    let s = wait_recovered(c, |s| s.recovery.delta_objects >= caught_up);
+    assert_eq!(s.recovery.delta_objects, caught_up, "{:?}", s.recovery);
+    assert_eq!(s.recovery.backfill_objects, 0, "{:?}", s.recovery);
+    assert_eq!(s.recovery.failures, 0, "{:?}", s.recovery);
+    assert!(
+        running(&h, &member),
+        "{member} restarted instead of rejoining"
+    );
+
+    // Six nodes left of eight, with k = 6: every object needs every survivor's shard,
+    // the healed node's included.
+    let others: Vec<u32> = (1..=8).filter(|&n| n != victim).take(2).collect();
+    for id in &others {
+        h.lc.stop_member(&format!("node.{id}"), true).unwrap();
+    }
+    for id in &others {
+        wait_up(c, *id, false);
+    }
+    read_all(c, pool, &objects);
+}
+
+/// The monitor leader's network is cut: the two others elect a leader and the map stays
+/// served and writable (a new pool, a node marked down) for clients and nodes. Healed, the
+/// old leader rejoins as a follower and serves the newest map, including what was decided
+/// without it.
+#[test]
+fn a_partitioned_monitor_leader_is_replaced_and_catches_up_when_healed() {
+    if !privileged() {
+        return;
+    }
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(4, 3);
+    let c = &h.client;
+    let pool = c.create_pool("t", 2, 1, 64 << 10, 8, None).unwrap();
+    c.put(pool, b"before", b"1").unwrap();
+    let leader = c.status().unwrap().leader.expect("a leader");
+    let member = format!("mon.{leader}");
+    h.lc.set_connected(&member, false).unwrap();
+
+    let t = Instant::now();
+    loop {
+        match c.status() {
+            Ok(s) if s.leader.is_some_and(|l| l != leader) => break,
+            _ => {
+                assert!(
+                    t.elapsed() < WAIT,
+                    "no new leader while {member} is cut off"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+    let p2 = c.create_pool("during", 2, 1, 64 << 10, 8, None).unwrap();
+    c.put(p2, b"during", b"2").unwrap();
+    // Nodes heartbeat to the new leader: a node that dies is still marked down.
+    h.lc.stop_member("node.4", true).unwrap();
+    wait_up(c, 4, false);
+    let epoch = c.map().epoch;
+    assert!(running(&h, &member), "{member} exited while cut off");
+
+    h.lc.set_connected(&member, true).unwrap();
+    // A client of the old leader alone sees the map made without it.
+    let mon = MonitorConfig::load(&h.lc.dir.join(&member).join("monitor.toml")).unwrap();
+    let conf = h.lc.dir.join("client-old-leader.toml");
+    write_toml(
+        &conf,
+        &ClientConfig {
+            monitors: vec![mon.monitors[leader as usize - 1]],
+            key_file: h.lc.dir.join("cluster.key"),
+            op_timeout_ms: 5000,
+        },
+    )
+    .unwrap();
+    let t = Instant::now();
+    let old = loop {
+        match Client::from_config(&conf) {
+            Ok(o) if o.map().epoch >= epoch => break o,
+            r => {
+                assert!(
+                    t.elapsed() < WAIT,
+                    "{member} never served epoch {epoch} after healing: {:?}",
+                    r.map(|o| o.map().epoch)
+                );
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    };
+    let m = old.map();
+    assert!(m.pools.contains_key(&p2), "pool made without {member}");
+    assert!(!m.nodes[&4].up, "node.4 marked down without {member}");
+    assert_eq!(old.get(p2, b"during").unwrap(), b"2");
+    assert_eq!(c.get(pool, b"before").unwrap(), b"1");
+    assert_ne!(c.status().unwrap().leader, None);
+}
