@@ -30,6 +30,10 @@ pub struct NodeInfo {
     pub r#in: bool,
     /// Device uuids (hex) the node serves.
     pub devices: Vec<String>,
+    /// The epoch of the node's last boot or mark up (kept while it is down). A PG's current
+    /// interval began no earlier than its members' `up_from` (`Acting::since`).
+    #[serde(default)]
+    pub up_from: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -124,7 +128,7 @@ impl ClusterMap {
         }
         for c in &inc.changes {
             let before = self.moves_members(c).then(|| self.clone());
-            self.apply_change(c);
+            self.apply_change(c, inc.epoch);
             if let Some(before) = before {
                 self.membership_epoch = inc.epoch;
                 crate::placement::repin(&before, self);
@@ -146,18 +150,30 @@ impl ClusterMap {
         }
     }
 
-    fn apply_change(&mut self, c: &Change) {
+    fn apply_change(&mut self, c: &Change, epoch: u64) {
         match c {
             Change::NodeBoot(n) => {
                 self.devices.retain(|_, owner| *owner != n.id);
                 for d in &n.devices {
                     self.devices.insert(d.clone(), n.id);
                 }
-                self.nodes.insert(n.id, n.clone());
+                // A boot is a new life of the node even where it was never marked down.
+                let up_from = if n.up { epoch } else { n.up_from };
+                self.nodes.insert(
+                    n.id,
+                    NodeInfo {
+                        up_from,
+                        ..n.clone()
+                    },
+                );
             }
             Change::NodeUp(id) | Change::NodeDown(id) => {
                 if let Some(n) = self.nodes.get_mut(id) {
-                    n.up = matches!(c, Change::NodeUp(_));
+                    let up = matches!(c, Change::NodeUp(_));
+                    if up && !n.up {
+                        n.up_from = epoch;
+                    }
+                    n.up = up;
                 }
             }
             Change::NodeIn(id) | Change::NodeOut(id) => {
@@ -189,7 +205,50 @@ mod tests {
             up: true,
             r#in: true,
             devices: vec![format!("dev{id}")],
+            up_from: 0,
         }
+    }
+
+    /// `up_from` is the epoch of a node's last boot or mark up, kept while it is down; with
+    /// the membership epoch it bounds where a PG's interval began (`Acting::since`).
+    #[test]
+    fn up_from_follows_boots_and_mark_ups_and_bounds_the_interval() {
+        let mut m = ClusterMap::new("f".into());
+        fn step(m: &mut ClusterMap, changes: Vec<Change>) {
+            let epoch = m.epoch + 1;
+            m.apply(&Incremental { epoch, changes }).unwrap();
+        }
+        step(
+            &mut m,
+            vec![Change::NodeBoot(node(1)), Change::NodeBoot(node(2))],
+        );
+        step(&mut m, vec![Change::NodeDown(2)]);
+        step(&mut m, vec![Change::NodeUp(1)]); // already up: not a new life
+        assert_eq!((m.nodes[&1].up_from, m.nodes[&2].up_from), (1, 1));
+        step(&mut m, vec![Change::NodeUp(2)]);
+        assert_eq!(m.nodes[&2].up_from, 4);
+        step(&mut m, vec![Change::NodeDown(2)]);
+        assert_eq!(m.nodes[&2].up_from, 4, "kept while down");
+        step(&mut m, vec![Change::NodeBoot(node(1))]);
+        assert_eq!(
+            m.nodes[&1].up_from, 6,
+            "a restart is a new life, marked down or not"
+        );
+        let pool = PoolInfo {
+            id: 1,
+            name: "p".into(),
+            k: 1,
+            m: 1,
+            stripe_unit: 4096,
+            pg_num: 1,
+            min_size: 1,
+        };
+        m.pools.insert(1, pool.clone());
+        let a = crate::placement::Acting::compute(&m, &pool, 0);
+        assert_eq!(a.primary, Some(1));
+        assert_eq!(a.since, 6, "node 1's restart began the interval");
+        m.membership_epoch = 9;
+        assert_eq!(crate::placement::Acting::compute(&m, &pool, 0).since, 9);
     }
 
     #[test]

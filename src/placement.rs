@@ -308,6 +308,13 @@ pub struct Acting {
     pub primary: Option<u32>,
     /// Members that are up.
     pub up_count: usize,
+    /// The PG's current interval began no earlier than this epoch: the last change that could
+    /// move members, or the last boot or mark up of any member (down ones included: one that
+    /// led the PG for a while and went down again ended an interval too). A client op sent at
+    /// an older epoch may have been overtaken by writes of another primary meanwhile, so the
+    /// primary refuses it (`StaleEpoch`) and the client resends it — like Ceph discarding ops
+    /// from before `same_interval_since`.
+    pub since: u64,
 }
 
 impl Acting {
@@ -319,12 +326,18 @@ impl Acting {
             .copied()
             .filter(|n| map.is_up(*n))
             .collect();
+        let since = members
+            .iter()
+            .flatten()
+            .filter_map(|n| map.nodes.get(n).map(|n| n.up_from))
+            .fold(map.membership_epoch, u64::max);
         Acting {
             pool: pool.id,
             pg,
             primary: up.first().copied(),
             up_count: up.len(),
             members,
+            since,
         }
     }
 
@@ -362,6 +375,7 @@ mod tests {
             up: true,
             r#in: true,
             devices: vec![],
+            up_from: 0,
         }
     }
 

@@ -98,6 +98,8 @@ pub struct Counters {
     pub resolves_absent_local: AtomicU64,
     /// Shard and recovery ops refused because a newer primary of the PG had been seen.
     pub stale_primary_refused: AtomicU64,
+    /// Client ops refused because they were sent before their PG's current interval.
+    pub stale_ops_refused: AtomicU64,
     /// Shard ops refused because the node had not registered yet, or its map had not reached
     /// its boot epoch within `EPOCH_WAIT`.
     pub boot_gate_refused: AtomicU64,
@@ -986,6 +988,8 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
         up: true,
         r#in: true,
         devices,
+        // Set by the map when it applies the boot.
+        up_from: 0,
     }))?;
     if !r.ok {
         return Err(Error::Monitor(format!(

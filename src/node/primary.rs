@@ -190,6 +190,19 @@ impl Node {
                 ),
             ));
         }
+        if op.epoch < acting.since {
+            // Sent before the PG's current interval: another primary may have written since
+            // (a request TCP delivered late, after a partition healed). The client resends.
+            self.counters.stale_ops_refused.fetch_add(1, Relaxed);
+            return Err(Error::remote(
+                Status::StaleEpoch,
+                format!(
+                    "op of epoch {} predates pg {}.{pg:x}'s current interval (since epoch {}); \
+                     resend it with the map of epoch {}",
+                    op.epoch, pool.id, acting.since, map.epoch
+                ),
+            ));
+        }
         let profile = pool.profile();
         Ok(Ctx {
             codec: self.codec(profile),
@@ -1889,6 +1902,7 @@ mod tests {
                 members: vec![None; (k + m) as usize],
                 primary: None,
                 up_count: 0,
+                since: 0,
             },
             pool,
             pg: 0,
