@@ -34,6 +34,10 @@ pub struct NodeInfo {
     /// interval began no earlier than its members' `up_from` (`Acting::since`).
     #[serde(default)]
     pub up_from: u64,
+    /// Out because the monitor found it down past `out_grace` (not an operator's `node out`):
+    /// it is marked in again when it comes back up.
+    #[serde(default)]
+    pub auto_out: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -68,6 +72,8 @@ pub enum Change {
     NodeDown(u32),
     NodeIn(u32),
     NodeOut(u32),
+    /// Out as the monitor's own decision (down past `out_grace`); see `NodeInfo::auto_out`.
+    NodeAutoOut(u32),
     PoolCreate(PoolInfo),
     PoolDelete(u64),
 }
@@ -145,7 +151,9 @@ impl ClusterMap {
                 .get(&n.id)
                 .is_none_or(|o| o.host != n.host || o.weight != n.weight || o.r#in != n.r#in),
             Change::NodeIn(id) => self.nodes.get(id).is_some_and(|n| !n.r#in),
-            Change::NodeOut(id) => self.nodes.get(id).is_some_and(|n| n.r#in),
+            Change::NodeOut(id) | Change::NodeAutoOut(id) => {
+                self.nodes.get(id).is_some_and(|n| n.r#in)
+            }
             _ => false,
         }
     }
@@ -176,9 +184,10 @@ impl ClusterMap {
                     n.up = up;
                 }
             }
-            Change::NodeIn(id) | Change::NodeOut(id) => {
+            Change::NodeIn(id) | Change::NodeOut(id) | Change::NodeAutoOut(id) => {
                 if let Some(n) = self.nodes.get_mut(id) {
                     n.r#in = matches!(c, Change::NodeIn(_));
+                    n.auto_out = matches!(c, Change::NodeAutoOut(_));
                 }
             }
             Change::PoolCreate(p) => {
@@ -206,6 +215,7 @@ mod tests {
             r#in: true,
             devices: vec![format!("dev{id}")],
             up_from: 0,
+            auto_out: false,
         }
     }
 

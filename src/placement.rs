@@ -376,6 +376,7 @@ mod tests {
             r#in: true,
             devices: vec![],
             up_from: 0,
+            auto_out: false,
         }
     }
 

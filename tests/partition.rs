@@ -48,6 +48,10 @@ fn privileged() -> bool {
 }
 
 fn cluster(nodes: u32, monitors: u32) -> Harness {
+    cluster_with(nodes, monitors, LocalOptions::default().out_grace_ms)
+}
+
+fn cluster_with(nodes: u32, monitors: u32, out_grace_ms: u64) -> Harness {
     common::cluster(
         "nvstore-partition-test-",
         &LocalOptions {
@@ -55,6 +59,7 @@ fn cluster(nodes: u32, monitors: u32) -> Harness {
             monitors,
             device_bytes: 256 << 20,
             down_grace_ms: 1500,
+            out_grace_ms,
             heartbeat_ms: 200,
             op_threads: 4,
             netns: true,
@@ -458,4 +463,77 @@ fn writes_under_rolling_partitions_all_complete_and_read_back() {
     for id in cut {
         assert!(running(&h, &format!("node.{id}")), "node.{id} restarted");
     }
+}
+
+/// A node cut off for longer than the out grace is marked out, and its PGs are rebuilt on
+/// other nodes. When its network comes back (the process never stopped, so it does not boot
+/// again), it is marked up *and back in* — the monitor marked it out, not an operator — and
+/// its PGs return to it, caught up; every object reads back, also with two other nodes dead.
+#[test]
+fn a_node_cut_off_past_the_out_grace_is_marked_back_in_when_healed() {
+    if !privileged() {
+        return;
+    }
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster_with(8, 1, 3000);
+    let c = &h.client;
+    // 4 + 2 on 8 nodes: a PG has somewhere to go while a node is out.
+    let pool = c.create_pool("d", 4, 2, 4096, 16, None).unwrap();
+    let mut objects: Vec<(String, Vec<u8>)> = (0..16)
+        .map(|i| {
+            put(
+                c,
+                pool,
+                &format!("before-{i}"),
+                100 + i,
+                1000 + 3001 * i as usize,
+            )
+        })
+        .collect();
+    wait_recovered(c, |_| true);
+    let victim = 5;
+    let member = format!("node.{victim}");
+    h.lc.set_connected(&member, false).unwrap();
+    wait_until(&format!("{member} marked out"), || {
+        let _ = c.refresh_map();
+        !c.map().nodes[&victim].r#in
+    });
+    for i in 0..8 {
+        objects.push(put(
+            c,
+            pool,
+            &format!("while-out-{i}"),
+            200 + i,
+            2000 + 4001 * i as usize,
+        ));
+    }
+    wait_recovered(c, |_| true);
+    read_all(c, pool, &objects);
+
+    h.lc.set_connected(&member, true).unwrap();
+    wait_until(&format!("{member} up and in again"), || {
+        let _ = c.refresh_map();
+        let n = &c.map().nodes[&victim];
+        n.up && n.r#in
+    });
+    assert!(
+        running(&h, &member),
+        "{member} restarted instead of rejoining"
+    );
+    let s = wait_recovered(c, |_| true);
+    assert_eq!(s.recovery.failures, 0, "{:?}", s.recovery);
+    let map = c.map();
+    let p = &map.pools[&pool];
+    let led = (0..p.pg_num)
+        .filter(|&pg| Acting::compute(&map, p, pg).members.contains(&Some(victim)))
+        .count();
+    assert!(led > 0, "no PG maps to {member} again");
+    read_all(c, pool, &objects);
+    for id in [2, 7] {
+        h.lc.stop_member(&format!("node.{id}"), true).unwrap();
+    }
+    for id in [2, 7] {
+        wait_up(c, id, false);
+    }
+    read_all(c, pool, &objects);
 }

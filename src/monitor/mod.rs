@@ -381,7 +381,7 @@ impl Monitor {
                     "monitor: marking out {out:?} (down for {:?})",
                     self.cfg.out_grace()
                 );
-                let _ = self.command(MonCommand::MarkOut(out));
+                let _ = self.command(MonCommand::AutoOut(out));
             }
         }
     }

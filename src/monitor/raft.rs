@@ -44,6 +44,8 @@ pub enum MonCommand {
     MarkDown(Vec<u32>),
     MarkUp(u32),
     MarkOut(Vec<u32>),
+    /// The monitor's own mark-out of nodes down past `out_grace` (undone when they are back).
+    AutoOut(Vec<u32>),
     MarkIn(u32),
     CreatePool {
         name: String,
@@ -136,6 +138,11 @@ impl MonState {
                 .map(|id| Change::NodeDown(*id))
                 .collect(),
             MonCommand::MarkUp(id) => match node(id) {
+                // Back from a spell the monitor marked out: back in too (like Ceph's
+                // mon_osd_auto_mark_auto_out_in). An operator's out stays.
+                Some(n) if !n.up && n.auto_out && !n.r#in => {
+                    vec![Change::NodeUp(*id), Change::NodeIn(*id)]
+                }
                 Some(n) if !n.up => vec![Change::NodeUp(*id)],
                 Some(_) => vec![],
                 None => return Err(format!("no node {id}")),
@@ -144,6 +151,11 @@ impl MonState {
                 .iter()
                 .filter(|id| node(id).is_some_and(|n| n.r#in))
                 .map(|id| Change::NodeOut(*id))
+                .collect(),
+            MonCommand::AutoOut(ids) => ids
+                .iter()
+                .filter(|id| node(id).is_some_and(|n| n.r#in))
+                .map(|id| Change::NodeAutoOut(*id))
                 .collect(),
             MonCommand::MarkIn(id) => match node(id) {
                 Some(n) if !n.r#in => vec![Change::NodeIn(*id)],
@@ -668,5 +680,50 @@ impl RaftNetwork<TypeConfig> for Peer {
         _option: RPCOption,
     ) -> Result<VoteResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
         self.call(wire::MSG_RAFT_VOTE, &rpc).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn boot(id: u32) -> MonCommand {
+        MonCommand::Boot(NodeInfo {
+            id,
+            addr: format!("127.0.0.1:{}", 7000 + id).parse().unwrap(),
+            host: format!("host{id}"),
+            weight: crate::map::WEIGHT_ONE,
+            up: true,
+            r#in: true,
+            devices: vec![],
+            up_from: 0,
+            auto_out: false,
+        })
+    }
+
+    /// A node the monitor marked out (down past the grace) comes back in when it is marked
+    /// up; one an operator marked out stays out until marked in.
+    #[test]
+    fn marking_up_undoes_the_monitors_own_mark_out_only() {
+        let mut s = MonState::default();
+        for id in [1, 2] {
+            assert!(s.execute(&boot(id)).ok);
+        }
+        s.execute(&MonCommand::MarkDown(vec![1, 2]));
+        s.execute(&MonCommand::AutoOut(vec![1]));
+        s.execute(&MonCommand::MarkOut(vec![2]));
+        assert!(s.map.nodes[&1].auto_out && !s.map.nodes[&1].r#in);
+        assert!(!s.map.nodes[&2].auto_out && !s.map.nodes[&2].r#in);
+        let membership = s.map.membership_epoch;
+        for id in [1, 2] {
+            assert!(s.execute(&MonCommand::MarkUp(id)).ok);
+        }
+        let (n1, n2) = (&s.map.nodes[&1], &s.map.nodes[&2]);
+        assert!(n1.up && n1.r#in && !n1.auto_out, "{n1:?}");
+        assert!(n2.up && !n2.r#in, "{n2:?}");
+        assert!(
+            s.map.membership_epoch > membership,
+            "coming back in moves members"
+        );
     }
 }

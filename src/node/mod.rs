@@ -990,6 +990,7 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
         devices,
         // Set by the map when it applies the boot.
         up_from: 0,
+        auto_out: false,
     }))?;
     if !r.ok {
         return Err(Error::Monitor(format!(
