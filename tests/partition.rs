@@ -10,17 +10,13 @@ mod common;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::{bytes, Harness};
-use nvstore::cluster_cmd::{render_status, LocalOptions};
+use common::{bytes, read_all, wait_recovered, wait_until, wait_up, Harness, WAIT};
+use nvstore::cluster_cmd::LocalOptions;
 use nvstore::config::{write_toml, ClientConfig, MonitorConfig};
-use nvstore::monitor::StatusReport;
 use nvstore::placement::{pg_of, Acting};
 use nvstore::Client;
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-/// How long a test waits for a map change or recovery before failing.
-const WAIT: Duration = Duration::from_secs(60);
 
 /// Network namespaces need root (CAP_SYS_ADMIN and CAP_NET_ADMIN): where one cannot be made,
 /// say so instead of failing. `scripts/test` prints which case a run is in.
@@ -47,11 +43,30 @@ fn privileged() -> bool {
     made
 }
 
-fn cluster(nodes: u32, monitors: u32) -> Harness {
-    cluster_with(nodes, monitors, LocalOptions::default().out_grace_ms)
+/// One test's cluster, and the lock that keeps the tests one at a time (dropped after the
+/// cluster: fields drop in order).
+struct Setup {
+    h: Harness,
+    _one: std::sync::MutexGuard<'static, ()>,
 }
 
-fn cluster_with(nodes: u32, monitors: u32, out_grace_ms: u64) -> Harness {
+/// The cluster for one test; `None` (having said why) where no namespace can be made.
+fn setup(nodes: u32, monitors: u32) -> Option<Setup> {
+    setup_with(nodes, monitors, LocalOptions::default().out_grace_ms)
+}
+
+fn setup_with(nodes: u32, monitors: u32, out_grace_ms: u64) -> Option<Setup> {
+    if !privileged() {
+        return None;
+    }
+    let one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    Some(Setup {
+        h: cluster(nodes, monitors, out_grace_ms),
+        _one: one,
+    })
+}
+
+fn cluster(nodes: u32, monitors: u32, out_grace_ms: u64) -> Harness {
     common::cluster(
         "nvstore-partition-test-",
         &LocalOptions {
@@ -66,54 +81,6 @@ fn cluster_with(nodes: u32, monitors: u32, out_grace_ms: u64) -> Harness {
             ..LocalOptions::default()
         },
     )
-}
-
-fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < WAIT, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-fn wait_up(c: &Client, id: u32, up: bool) {
-    wait_until(&format!("node {id} up={up}"), || {
-        let _ = c.refresh_map();
-        c.map().nodes.get(&id).is_some_and(|n| n.up == up)
-    });
-}
-
-/// Wait until no node reports recovery left for a few polls in a row and `done` holds.
-fn wait_recovered(c: &Client, done: impl Fn(&StatusReport) -> bool) -> StatusReport {
-    let t = Instant::now();
-    let mut quiet = 0;
-    loop {
-        let s = c.status().unwrap();
-        if !s.recovery.active() && done(&s) {
-            quiet += 1;
-            if quiet >= 4 {
-                return s;
-            }
-        } else {
-            quiet = 0;
-        }
-        assert!(
-            t.elapsed() < WAIT,
-            "recovery did not finish: {:?}\n{}",
-            s.recovery,
-            render_status(&s)
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
-}
-
-fn read_all(c: &Client, pool: u64, objects: &[(String, Vec<u8>)]) {
-    for (name, data) in objects {
-        let got = c
-            .get(pool, name.as_bytes())
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert!(got == *data, "{name}: {} bytes read back wrong", data.len());
-    }
 }
 
 fn put(c: &Client, pool: u64, name: &str, seed: u64, len: usize) -> (String, Vec<u8>) {
@@ -150,11 +117,10 @@ fn running(h: &Harness, member: &str) -> bool {
 /// back byte-exact — which needs the healed node's shards.
 #[test]
 fn a_partitioned_primary_is_replaced_then_caught_up_by_delta_when_healed() {
-    if !privileged() {
+    let Some(t) = setup(8, 1) else {
         return;
-    }
-    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let h = cluster(8, 1);
+    };
+    let h = &t.h;
     let c = &h.client;
     // k + m = 8 nodes: every PG has every node, so every write meanwhile misses the cut one.
     let pool = c.create_pool("d", 6, 2, 4096, 16, None).unwrap();
@@ -198,7 +164,7 @@ fn a_partitioned_primary_is_replaced_then_caught_up_by_delta_when_healed() {
         ));
     }
     read_all(c, pool, &objects);
-    assert!(running(&h, &member), "{member} exited while cut off");
+    assert!(running(h, &member), "{member} exited while cut off");
 
     h.lc.set_connected(&member, true).unwrap();
     wait_up(c, victim, true);
@@ -209,19 +175,14 @@ fn a_partitioned_primary_is_replaced_then_caught_up_by_delta_when_healed() {
     assert_eq!(s.recovery.backfill_objects, 0, "{:?}", s.recovery);
     assert_eq!(s.recovery.failures, 0, "{:?}", s.recovery);
     assert!(
-        running(&h, &member),
+        running(h, &member),
         "{member} restarted instead of rejoining"
     );
 
     // Six nodes left of eight, with k = 6: every object needs every survivor's shard,
     // the healed node's included.
     let others: Vec<u32> = (1..=8).filter(|&n| n != victim).take(2).collect();
-    for id in &others {
-        h.lc.stop_member(&format!("node.{id}"), true).unwrap();
-    }
-    for id in &others {
-        wait_up(c, *id, false);
-    }
+    h.kill_nodes(&others);
     read_all(c, pool, &objects);
 }
 
@@ -231,11 +192,10 @@ fn a_partitioned_primary_is_replaced_then_caught_up_by_delta_when_healed() {
 /// without it.
 #[test]
 fn a_partitioned_monitor_leader_is_replaced_and_catches_up_when_healed() {
-    if !privileged() {
+    let Some(t) = setup(4, 3) else {
         return;
-    }
-    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let h = cluster(4, 3);
+    };
+    let h = &t.h;
     let c = &h.client;
     let pool = c.create_pool("t", 2, 1, 64 << 10, 8, None).unwrap();
     c.put(pool, b"before", b"1").unwrap();
@@ -262,7 +222,7 @@ fn a_partitioned_monitor_leader_is_replaced_and_catches_up_when_healed() {
     h.lc.stop_member("node.4", true).unwrap();
     wait_up(c, 4, false);
     let epoch = c.map().epoch;
-    assert!(running(&h, &member), "{member} exited while cut off");
+    assert!(running(h, &member), "{member} exited while cut off");
 
     h.lc.set_connected(&member, true).unwrap();
     // A client of the old leader alone sees the map made without it.
@@ -307,11 +267,10 @@ fn a_partitioned_monitor_leader_is_replaced_and_catches_up_when_healed() {
 /// recovery, and from the shards that include the healed node's.
 #[test]
 fn a_late_request_to_a_healed_primary_does_not_undo_a_newer_write() {
-    if !privileged() {
+    let Some(t) = setup(8, 1) else {
         return;
-    }
-    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let h = cluster(8, 1);
+    };
+    let h = &t.h;
     let c = &h.client;
     let pool = c.create_pool("d", 6, 2, 4096, 16, None).unwrap();
     let (_, first) = put(c, pool, "x", 1, 50_000);
@@ -366,12 +325,7 @@ fn a_late_request_to_a_healed_primary_does_not_undo_a_newer_write() {
     );
     check("after recovery");
     let others: Vec<u32> = (1..=8).filter(|&n| n != victim).take(2).collect();
-    for id in &others {
-        h.lc.stop_member(&format!("node.{id}"), true).unwrap();
-    }
-    for id in &others {
-        wait_up(c, *id, false);
-    }
+    h.kill_nodes(&others);
     check("from the healed node's shard and five others");
 }
 
@@ -392,11 +346,10 @@ fn counter(c: &Client, id: u32, group: &str, name: &str) -> u64 {
 /// last acknowledged bytes — also from the shards left when two nodes then die.
 #[test]
 fn writes_under_rolling_partitions_all_complete_and_read_back() {
-    if !privileged() {
+    let Some(t) = setup(8, 1) else {
         return;
-    }
-    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let h = cluster(8, 1);
+    };
+    let h = &t.h;
     let c = &h.client;
     let pool = c.create_pool("d", 6, 2, 4096, 16, None).unwrap();
     const WRITERS: u64 = 4;
@@ -453,15 +406,10 @@ fn writes_under_rolling_partitions_all_complete_and_read_back() {
     assert_eq!(objects.len() as u64, WRITERS * OBJECTS);
     wait_recovered(c, |_| true);
     read_all(c, pool, &objects);
-    for id in [2, 7] {
-        h.lc.stop_member(&format!("node.{id}"), true).unwrap();
-    }
-    for id in [2, 7] {
-        wait_up(c, id, false);
-    }
+    h.kill_nodes(&[2, 7]);
     read_all(c, pool, &objects);
     for id in cut {
-        assert!(running(&h, &format!("node.{id}")), "node.{id} restarted");
+        assert!(running(h, &format!("node.{id}")), "node.{id} restarted");
     }
 }
 
@@ -471,11 +419,10 @@ fn writes_under_rolling_partitions_all_complete_and_read_back() {
 /// its PGs return to it, caught up; every object reads back, also with two other nodes dead.
 #[test]
 fn a_node_cut_off_past_the_out_grace_is_marked_back_in_when_healed() {
-    if !privileged() {
+    let Some(t) = setup_with(8, 1, 3000) else {
         return;
-    }
-    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let h = cluster_with(8, 1, 3000);
+    };
+    let h = &t.h;
     let c = &h.client;
     // 4 + 2 on 8 nodes: a PG has somewhere to go while a node is out.
     let pool = c.create_pool("d", 4, 2, 4096, 16, None).unwrap();
@@ -517,7 +464,7 @@ fn a_node_cut_off_past_the_out_grace_is_marked_back_in_when_healed() {
         n.up && n.r#in
     });
     assert!(
-        running(&h, &member),
+        running(h, &member),
         "{member} restarted instead of rejoining"
     );
     let s = wait_recovered(c, |_| true);
@@ -529,11 +476,47 @@ fn a_node_cut_off_past_the_out_grace_is_marked_back_in_when_healed() {
         .count();
     assert!(led > 0, "no PG maps to {member} again");
     read_all(c, pool, &objects);
-    for id in [2, 7] {
-        h.lc.stop_member(&format!("node.{id}"), true).unwrap();
+    h.kill_nodes(&[2, 7]);
+    read_all(c, pool, &objects);
+}
+
+/// Two of three monitors cut off: no quorum, so the map cannot change. The data path does not
+/// need the monitors: writes and reads go on against the last map (a node that died now would
+/// not be marked down). Healed, the monitors have a leader again and the map moves again.
+#[test]
+fn without_a_monitor_quorum_the_data_path_goes_on_with_the_last_map() {
+    let Some(t) = setup(4, 3) else {
+        return;
+    };
+    let h = &t.h;
+    let c = &h.client;
+    let pool = c.create_pool("t", 2, 1, 4096, 8, None).unwrap();
+    let before = put(c, pool, "before", 1, 30_000);
+    let epoch = c.map().epoch;
+    let cut = ["mon.2", "mon.3"];
+    for m in cut {
+        h.lc.set_connected(m, false).unwrap();
     }
-    for id in [2, 7] {
-        wait_up(c, id, false);
+    // Well past the nodes' down grace: were anything to depend on the monitors, it would show.
+    std::thread::sleep(Duration::from_secs(3));
+    let mut objects = vec![before];
+    for i in 0..20 {
+        objects.push(put(
+            c,
+            pool,
+            &format!("during-{i}"),
+            100 + i,
+            500 + 997 * i as usize,
+        ));
     }
+    read_all(c, pool, &objects);
+    assert_eq!(c.map().epoch, epoch, "the map moved without a quorum");
+    for m in cut {
+        assert!(running(h, m), "{m} exited while cut off");
+        h.lc.set_connected(m, true).unwrap();
+    }
+    // A leader again: a node that dies is marked down.
+    h.kill_nodes(&[4]);
+    assert!(c.map().epoch > epoch);
     read_all(c, pool, &objects);
 }

@@ -7,16 +7,13 @@ use std::process::Command;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::{bytes, Harness};
+use common::{bytes, read_all, wait_recovered, wait_until, wait_up, Harness, WAIT};
 use nvstore::cluster_cmd::{render_status, LocalOptions};
 use nvstore::monitor::StatusReport;
 use nvstore::placement::{pg_of, Acting};
 use nvstore::Client;
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-/// How long a test waits for recovery (or a map change) before failing.
-const WAIT: Duration = Duration::from_secs(60);
 
 fn cluster(nodes: u32) -> Harness {
     common::cluster(
@@ -48,55 +45,6 @@ fn put_objects(c: &Client, pool: u64, prefix: &str, seed: u64, n: usize) -> Vec<
         c.put(pool, name.as_bytes(), d).unwrap();
     }
     objects
-}
-
-fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < WAIT, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-fn wait_up(c: &Client, id: u32, up: bool) {
-    wait_until(&format!("node {id} up={up}"), || {
-        let _ = c.refresh_map();
-        c.map().nodes.get(&id).is_some_and(|n| n.up == up)
-    });
-}
-
-/// Wait until every up node has reported no recovery left for a few heartbeats in a row
-/// and `done(report)` holds; returns the last report.
-fn wait_recovered(c: &Client, done: impl Fn(&StatusReport) -> bool) -> StatusReport {
-    let t = Instant::now();
-    let mut quiet = 0;
-    loop {
-        let s = c.status().unwrap();
-        if !s.recovery.active() && done(&s) {
-            quiet += 1;
-            if quiet >= 4 {
-                return s;
-            }
-        } else {
-            quiet = 0;
-        }
-        assert!(
-            t.elapsed() < WAIT,
-            "recovery did not finish: {:?}\n{}",
-            s.recovery,
-            render_status(&s)
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
-}
-
-fn read_all(c: &Client, pool: u64, objects: &[(String, Vec<u8>)]) {
-    for (name, data) in objects {
-        let got = c
-            .get(pool, name.as_bytes())
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert!(got == *data, "{name}: {} bytes read back wrong", data.len());
-    }
 }
 
 /// Kill a node and mark it out: its shards are rebuilt on the PGs' new members (backfill),
@@ -178,12 +126,7 @@ fn a_node_marked_out_is_rebuilt_on_new_members_and_redundancy_is_restored() {
 
     // Two more nodes die: k = 2 shards per object are left, all on rebuilt or kept members.
     let others: Vec<u32> = (1..=5).filter(|i| *i != victim).take(2).collect();
-    for id in &others {
-        h.lc.stop_member(&format!("node.{id}"), true).unwrap();
-    }
-    for id in &others {
-        wait_up(c, *id, false);
-    }
+    h.kill_nodes(&others);
     read_all(c, pool, &objects);
     assert_eq!(c.get_xattr(pool, b"obj-3", "color").unwrap(), b"green");
     assert!(
@@ -362,12 +305,7 @@ fn a_node_back_within_the_log_window_is_caught_up_by_delta() {
     objects.extend(outage_caught_up_by_delta(&h, pool, 4, 500));
 
     // Only the caught-up node and node 1 remain: every object must come from them.
-    for id in [2, 3] {
-        h.lc.stop_member(&format!("node.{id}"), true).unwrap();
-    }
-    for id in [2, 3] {
-        wait_up(c, id, false);
-    }
+    h.kill_nodes(&[2, 3]);
     read_all(c, pool, &objects);
 }
 
@@ -402,10 +340,8 @@ fn a_node_down_after_a_long_busy_spell_is_still_caught_up_by_delta() {
 
     let victim = 3;
     let objects = outage_caught_up_by_delta(&h, pool, victim, 900);
-    for id in [1, 2].into_iter().filter(|id| *id != victim) {
-        h.lc.stop_member(&format!("node.{id}"), true).unwrap();
-        wait_up(c, id, false);
-    }
+    let others: Vec<u32> = [1, 2].into_iter().filter(|id| *id != victim).collect();
+    h.kill_nodes(&others);
     read_all(c, pool, &objects);
     for i in (0..busy).step_by(97) {
         assert_eq!(
@@ -753,11 +689,6 @@ fn survivors_stop_redialling_a_node_marked_down_and_reconnect_when_it_is_back() 
         || talking.iter().all(|&id| node(id, "peer_conns") == 3),
     );
     // The others gone, every object must come from the returned node and node 1.
-    for id in [2, 3] {
-        h.lc.stop_member(&format!("node.{id}"), true).unwrap();
-    }
-    for id in [2, 3] {
-        wait_up(c, id, false);
-    }
+    h.kill_nodes(&[2, 3]);
     read_all(c, pool, &objects);
 }

@@ -4,10 +4,15 @@
 #![allow(dead_code)] // each test binary uses its own subset
 
 use std::path::Path;
+use std::time::{Duration, Instant};
 
-use nvstore::cluster_cmd::{LocalCluster, LocalOptions};
+use nvstore::cluster_cmd::{render_status, LocalCluster, LocalOptions};
+use nvstore::monitor::StatusReport;
 use nvstore::Client;
 use rand::{RngCore, SeedableRng};
+
+/// How long a test waits for a map change or recovery before failing.
+pub const WAIT: Duration = Duration::from_secs(60);
 
 pub struct Harness {
     pub lc: LocalCluster,
@@ -66,5 +71,68 @@ impl Harness {
             std::sync::Arc::new(Nothing),
         )
         .unwrap()
+    }
+}
+
+pub fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < WAIT, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Wait until the client's map shows node `id` up (or down).
+pub fn wait_up(c: &Client, id: u32, up: bool) {
+    wait_until(&format!("node {id} up={up}"), || {
+        let _ = c.refresh_map();
+        c.map().nodes.get(&id).is_some_and(|n| n.up == up)
+    });
+}
+
+/// Wait until every up node has reported no recovery left for a few polls in a row and
+/// `done(report)` holds; returns the last report.
+pub fn wait_recovered(c: &Client, done: impl Fn(&StatusReport) -> bool) -> StatusReport {
+    let t = Instant::now();
+    let mut quiet = 0;
+    loop {
+        let s = c.status().unwrap();
+        if !s.recovery.active() && done(&s) {
+            quiet += 1;
+            if quiet >= 4 {
+                return s;
+            }
+        } else {
+            quiet = 0;
+        }
+        assert!(
+            t.elapsed() < WAIT,
+            "recovery did not finish: {:?}\n{}",
+            s.recovery,
+            render_status(&s)
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// Every object reads back byte-exact.
+pub fn read_all(c: &Client, pool: u64, objects: &[(String, Vec<u8>)]) {
+    for (name, data) in objects {
+        let got = c
+            .get(pool, name.as_bytes())
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(got == *data, "{name}: {} bytes read back wrong", data.len());
+    }
+}
+
+impl Harness {
+    /// SIGKILL these nodes and wait until the map shows them down.
+    pub fn kill_nodes(&self, ids: &[u32]) {
+        for id in ids {
+            self.lc.stop_member(&format!("node.{id}"), true).unwrap();
+        }
+        for id in ids {
+            wait_up(&self.client, *id, false);
+        }
     }
 }
