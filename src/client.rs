@@ -517,9 +517,9 @@ struct Attempt<'a> {
 
 impl Attempt<'_> {
     /// Send a request to the primary and wait for its reply until the op's deadline — or
-    /// until a newer map names another primary for the PG (or none), or starts a new interval
-    /// of it, which ends the try with `WrongPrimary` so the op goes where the map now points
-    /// (a reply that still comes is dropped).
+    /// until a newer map names another primary for the PG (or none), which ends the try with
+    /// `WrongPrimary` so the op goes where the map now points (a reply that still comes is
+    /// dropped).
     fn request(&self, msg: OutMessage) -> Result<messenger::Reply> {
         let (tx, rx) = crossbeam::channel::bounded(1);
         let left = self.deadline.saturating_duration_since(Instant::now());
@@ -541,19 +541,18 @@ impl Attempt<'_> {
                 continue;
             }
             seen = map.epoch;
-            let acting = map
+            // Only another primary (or none): the same primary always answers, if only to
+            // refuse an op sent before a new interval of the PG (`Acting::since`), and giving
+            // up on a request it may still apply would risk applying it twice.
+            let now = map
                 .pools
                 .get(&self.pool)
-                .map(|p| self.client.monc.acting(&map, p, self.pg));
-            let now = acting.as_ref().and_then(|a| a.primary);
-            // A new interval: the primary refuses the op as sent (`Acting::since`).
-            let new_interval = acting.as_ref().is_some_and(|a| a.since > self.epoch);
-            if now != Some(self.primary) || new_interval {
+                .and_then(|p| self.client.monc.acting(&map, p, self.pg).primary);
+            if now != Some(self.primary) {
                 return Err(Error::remote(
                     Status::WrongPrimary,
                     format!(
-                        "pg {}.{:x} changed hands or began a new interval at epoch {} (was \
-                         node {}, now {}); resending",
+                        "pg {}.{:x} changed hands at epoch {} (was node {}, now {}); resending",
                         self.pool,
                         self.pg,
                         map.epoch,
