@@ -8,8 +8,12 @@
 //! connections hanging, not closed, so the map is what says to go elsewhere (Ceph's Objecter
 //! resends on map changes the same way).
 //!
-//! Retries resend the request: a write whose reply was lost may apply twice, which is
-//! harmless for write_full/write/remove/xattrs but not for append (no request-id dedup yet).
+//! Retries resend the request with the same request id (`ClientOp::reqid`): the primary that
+//! applied it answers with the version it made instead of applying it again. That memory is
+//! the applying node's (in memory, per PG): a resend that reaches another primary (the first
+//! one died or was marked down after applying) may still apply twice — harmless for
+//! write_full/write/remove/xattrs, not for append. Staged puts (> 16 MiB) and ops with reads
+//! carry no request id.
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -49,6 +53,9 @@ pub struct Client {
     conns: crate::peers::PeerConns,
     timeout: Duration,
     next_upload: AtomicU64,
+    /// Request ids (`ClientOp::reqid`): from a random start, so two clients that drew the
+    /// same identity do not share them; never 0.
+    next_reqid: AtomicU64,
 }
 
 impl Client {
@@ -92,6 +99,7 @@ impl Client {
             conns: Default::default(),
             timeout: op_timeout,
             next_upload: AtomicU64::new(rand::random::<u64>() >> 1),
+            next_reqid: AtomicU64::new((rand::random::<u64>() >> 1) | 1),
         })
     }
 
@@ -245,6 +253,7 @@ impl Client {
         upload: u64,
     ) -> Result<(u64, Vec<OpResult>)> {
         ops::check_name(name).map_err(|m| Error::remote(Status::Invalid, m))?;
+        let reqid = self.reqid();
         self.with_primary(pool, name, |at| {
             let msg = ClientOp {
                 epoch: at.epoch,
@@ -252,6 +261,7 @@ impl Client {
                 name,
                 flags,
                 upload_id: upload,
+                reqid,
                 ops: sub.to_vec(),
             }
             .encode();
@@ -277,6 +287,7 @@ impl Client {
             return self.put(pool, name, &data);
         }
         ops::check_name(name).map_err(|m| Error::remote(Status::Invalid, m))?;
+        let reqid = self.reqid();
         self.with_primary(pool, name, |at| {
             let (head, tail) = ClientOp {
                 epoch: at.epoch,
@@ -284,6 +295,7 @@ impl Client {
                 name,
                 flags: 0,
                 upload_id: 0,
+                reqid,
                 ops: vec![SubOp::WriteFull(&data)],
             }
             .encode_head();
@@ -333,6 +345,9 @@ impl Client {
                 name,
                 flags: ops::FLAG_STAGED,
                 upload_id: upload,
+                // No dedup: each try stages anew (a dedup hit would leave that upload
+                // unused), and a whole-object write applied twice leaves the same bytes.
+                reqid: 0,
                 ops: vec![SubOp::WriteFull(tail)],
             }
             .encode();
@@ -498,6 +513,15 @@ impl Client {
             }
         }
         Ok(out)
+    }
+}
+
+impl Client {
+    fn reqid(&self) -> u64 {
+        match self.next_reqid.fetch_add(1, Relaxed) {
+            0 => self.next_reqid.fetch_add(1, Relaxed),
+            r => r,
+        }
     }
 }
 

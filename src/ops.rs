@@ -87,6 +87,11 @@ pub struct ClientOp<'a> {
     pub name: &'a [u8],
     pub flags: u32,
     pub upload_id: u64,
+    /// The client's id for this request, the same on every resend of it (0: none). A
+    /// primary remembers the versions its recent mutations made per PG by (client, reqid),
+    /// and answers a resend of one it already applied with that version instead of applying
+    /// it again (`node::primary`, like Ceph's reqid in the PG log).
+    pub reqid: u64,
     pub ops: Vec<SubOp<'a>>,
 }
 
@@ -106,6 +111,7 @@ impl<'a> ClientOp<'a> {
             .bytes(self.name)
             .u32(self.flags)
             .u64(self.upload_id)
+            .u64(self.reqid)
             .u16(self.ops.len() as u16);
         let mut tail: &'a [u8] = &[];
         for (i, op) in self.ops.iter().enumerate() {
@@ -155,6 +161,7 @@ impl<'a> ClientOp<'a> {
         let name = d.bytes()?;
         let flags = d.u32()?;
         let upload_id = d.u64()?;
+        let reqid = d.u64()?;
         let n = d.u16()? as usize;
         if n > SUB_OPS_MAX {
             return Err(Error::Malformed(format!(
@@ -194,6 +201,7 @@ impl<'a> ClientOp<'a> {
             name,
             flags,
             upload_id,
+            reqid,
             ops,
         })
     }
@@ -411,6 +419,7 @@ mod tests {
             name: b"obj",
             flags: FLAG_STAGED,
             upload_id: 77,
+            reqid: 0x1234_5678_9abc,
             ops: vec![
                 SubOp::AssertVersion(5),
                 SubOp::Stat,
@@ -473,6 +482,7 @@ mod tests {
                 name: b"obj",
                 flags: 0,
                 upload_id: 0,
+                reqid: 5,
                 // An earlier data sub-op keeps its bytes in the head.
                 ops: vec![SubOp::Append(b"early"), last],
             };

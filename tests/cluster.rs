@@ -387,6 +387,7 @@ fn bad_input_gets_clear_errors_and_the_node_keeps_serving() {
             name,
             flags: 0,
             upload_id: 0,
+            reqid: 0,
             ops: vec![SubOp::Stat],
         }
         .encode()
@@ -484,4 +485,61 @@ fn three_monitors_keep_the_map_served_and_writable_when_the_leader_dies() {
     assert_eq!(c.get(p2, b"after-out").unwrap(), b"3");
     c.write(p2, b"after", 1, b"+").unwrap();
     assert_eq!(c.get(p2, b"after").unwrap(), b"2+");
+}
+
+/// A mutation resent with the same request id (its reply lost, or the client gave up
+/// waiting) is answered with the version it made, not applied again: an append resent lands
+/// once. Without a request id, the same append sent twice lands twice.
+#[test]
+fn a_resent_append_with_the_same_request_id_is_applied_once() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(4, 1, LocalOptions::default());
+    let c = &h.client;
+    let pool = c.create_pool("t", 2, 1, 4096, 8, None).unwrap();
+    c.put(pool, b"log", b"start;").unwrap();
+    c.put(pool, b"log2", b"start;").unwrap();
+    let map = c.map();
+    let m = h.raw_messenger(Identity::Client(4343));
+    let append = |name: &[u8], reqid: u64| -> u64 {
+        let p = &map.pools[&pool];
+        let primary =
+            nvstore::placement::Acting::compute(&map, p, nvstore::placement::pg_of(p, name))
+                .primary
+                .unwrap();
+        let conn = m
+            .connect(map.nodes[&primary].addr, Identity::Node(primary))
+            .unwrap();
+        let op = ClientOp {
+            epoch: map.epoch,
+            pool,
+            name,
+            flags: 0,
+            upload_id: 0,
+            reqid,
+            ops: vec![SubOp::Append(b"entry;")],
+        }
+        .encode();
+        let r = conn
+            .request(
+                OutMessage::new(wire::MSG_CLIENT_OP, op),
+                Duration::from_secs(10),
+            )
+            .unwrap();
+        let (_, body) = wire::parse_reply_epoch(&r.payload);
+        nvstore::ops::decode_results(body.unwrap()).unwrap().0
+    };
+    let v1 = append(b"log", 77);
+    let v2 = append(b"log", 77);
+    assert_eq!(v1, v2, "the resend reports the version the first send made");
+    assert_eq!(c.get(pool, b"log").unwrap(), b"start;entry;");
+    assert_eq!(c.stat(pool, b"log").unwrap().version, v1);
+    // A new request id is a new op.
+    assert!(append(b"log", 78) > v1);
+    assert_eq!(c.get(pool, b"log").unwrap(), b"start;entry;entry;");
+    // No request id: no dedup.
+    let w1 = append(b"log2", 0);
+    let w2 = append(b"log2", 0);
+    assert!(w2 > w1);
+    assert_eq!(c.get(pool, b"log2").unwrap(), b"start;entry;entry;");
+    m.shutdown();
 }

@@ -614,6 +614,7 @@ fn a_superseded_primary_sends_the_client_on_instead_of_calling_the_object_unavai
         name: b"lagging",
         flags: 0,
         upload_id: 0,
+        reqid: 0,
         ops: vec![SubOp::Stat],
     }
     .encode();

@@ -1426,6 +1426,7 @@ mod tests {
             name,
             flags: 0,
             upload_id: 0,
+            reqid: 0,
             ops,
         }
         .encode()

@@ -100,6 +100,8 @@ pub struct Counters {
     pub stale_primary_refused: AtomicU64,
     /// Client ops refused because they were sent before their PG's current interval.
     pub stale_ops_refused: AtomicU64,
+    /// Resent client mutations answered with the version they made the first time.
+    pub resends_answered: AtomicU64,
     /// Shard ops refused because the node had not registered yet, or its map had not reached
     /// its boot epoch within `EPOCH_WAIT`.
     pub boot_gate_refused: AtomicU64,

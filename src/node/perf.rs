@@ -171,7 +171,7 @@ impl Node {
             driver::workload::peak_rss_kib(),
         );
         #[rustfmt::skip]
-        let rows: [(&'static str, Row); 35] = [
+        let rows: [(&'static str, Row); 36] = [
             ("client", ("read_ops", C, c.read_ops.load(Relaxed), "Client read ops run as primary")),
             ("client", ("write_ops", C, c.write_ops.load(Relaxed), "Client write ops run as primary")),
             ("client", ("read_bytes", C, c.read_bytes.load(Relaxed), "Bytes returned to clients")),
@@ -181,6 +181,7 @@ impl Node {
             ("client", ("resolves_absent_local", C, c.resolves_absent_local.load(Relaxed), "Objects known absent from this complete member's own shards, without a stat round")),
             ("node", ("stale_primary_refused", C, c.stale_primary_refused.load(Relaxed), "Shard ops refused from a primary that a newer one of the PG superseded")),
             ("node", ("stale_ops_refused", C, c.stale_ops_refused.load(Relaxed), "Client ops refused because they were sent before their PG's current interval (the client resends them)")),
+            ("client", ("resends_answered", C, c.resends_answered.load(Relaxed), "Resent client mutations answered with the version they made the first time, not applied again")),
             ("node", ("boot_gate_refused", C, c.boot_gate_refused.load(Relaxed), "Shard ops refused before this node registered, or while its map lagged its boot epoch")),
             ("node", ("shard_crcs_vouched", C, c.shard_crcs_vouched.load(Relaxed), "Shard writes whose listed chunk CRCs matched the verified frame CRC (recorded without summing the bytes)")),
             ("node", ("shard_crcs_dropped", C, c.shard_crcs_dropped.load(Relaxed), "Shard writes whose listed chunk CRCs did not describe the bytes (summed instead)")),

@@ -15,14 +15,14 @@
 //! version): a new primary always has a newer epoch than the last, so versions only grow.
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ec::{Codec, Profile, Shard};
 use messenger::checksum::crc32c_combine;
-use messenger::{BufPool, Incoming, OutMessage, Payload, SendBuf};
+use messenger::{BufPool, Identity, Incoming, OutMessage, Payload, SendBuf};
 use smallvec::SmallVec;
 
 use super::local::{ShardData, ShardMeta, ShardState, ShardWrite, WriteKind, BASE_ANY};
@@ -81,6 +81,38 @@ pub struct PgCache {
     pub(super) last_version: u64,
     /// Newest version the up members were told they are complete through (their marks).
     pub(super) marked: u64,
+    /// Mutations this node applied as the PG's primary, by request id (kept across member
+    /// changes: an op applied is applied, whoever led the PG since).
+    applied: Applied,
+}
+
+/// Client mutations applied recently, (client, `ClientOp::reqid`) → the version they made,
+/// so a resend of one (its reply was lost, or the client gave up waiting) is answered with
+/// that version instead of being applied twice. The newest [`APPLIED_PER_PG_MAX`] per PG;
+/// in memory, so only resends to the node that applied the op are recognised.
+#[derive(Default)]
+struct Applied {
+    versions: HashMap<(Identity, u64), u64>,
+    order: VecDeque<(Identity, u64)>,
+}
+
+/// Request ids a PG's primary remembers (~40 bytes each).
+const APPLIED_PER_PG_MAX: usize = 256;
+
+impl Applied {
+    fn get(&self, who: Identity, reqid: u64) -> Option<u64> {
+        self.versions.get(&(who, reqid)).copied()
+    }
+
+    fn insert(&mut self, who: Identity, reqid: u64, version: u64) {
+        if self.versions.insert((who, reqid), version).is_none() {
+            self.order.push_back((who, reqid));
+            if self.order.len() > APPLIED_PER_PG_MAX {
+                let old = self.order.pop_front().expect("non-empty");
+                self.versions.remove(&old);
+            }
+        }
+    }
 }
 
 /// One op's view of its PG.
@@ -158,7 +190,7 @@ impl Node {
                 staged: staged.as_deref(),
                 request: job.payload(),
             };
-            match self.try_op(&op, src, cache) {
+            match self.try_op(&op, job.peer(), src, cache) {
                 Err(Error::Remote {
                     status: Status::VersionMismatch,
                     message,
@@ -214,10 +246,25 @@ impl Node {
         })
     }
 
-    fn try_op(&self, op: &ClientOp, src: Source, cache: &Mutex<PgCache>) -> Result<Vec<SendBuf>> {
+    fn try_op(
+        &self,
+        op: &ClientOp,
+        who: Identity,
+        src: Source,
+        cache: &Mutex<PgCache>,
+    ) -> Result<Vec<SendBuf>> {
         let ctx = self.ctx(op)?;
         let m = check_ops(op)?;
         let mut c = cache.lock().unwrap();
+        // A resend of a mutation already applied here: its version, not a second apply. Only
+        // for ops without reads (their results would have to be replayed).
+        let dedup = op.reqid != 0 && !op.ops.iter().any(|o| o.is_read());
+        if let Some(version) = c.applied.get(who, op.reqid).filter(|_| dedup) {
+            self.counters.resends_answered.fetch_add(1, Relaxed);
+            let mut e = Enc::new(ctx.map.epoch);
+            e.u16(Status::Ok as u16);
+            return Ok(ops::encode_results_parts(e, version, Vec::new()));
+        }
         self.refresh_cache(&ctx, &mut c);
         let st = self.resolve(&ctx, &mut c, op.name)?;
         for o in &op.ops {
@@ -276,7 +323,11 @@ impl Node {
         } else {
             self.counters.write_ops.fetch_add(1, Relaxed);
             self.hot.invalidate(op.pool, op.name);
-            self.write(&ctx, &mut c, op.name, &st, m, src)?
+            let v = self.write(&ctx, &mut c, op.name, &st, m, src)?;
+            if dedup {
+                c.applied.insert(who, op.reqid, v);
+            }
+            v
         };
         let mut e = Enc::new(ctx.map.epoch);
         e.u16(Status::Ok as u16);
