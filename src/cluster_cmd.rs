@@ -298,6 +298,11 @@ impl LocalCluster {
             })
     }
 
+    /// Whether the process recorded for `member` ("mon.N" or "node.N") is running.
+    pub fn is_running(&self, member: &str) -> bool {
+        self.pids().get(member).is_some_and(|&p| Self::alive(p))
+    }
+
     /// Start one member ("mon.N" or "node.N") unless it is running.
     pub fn start_member(&self, member: &str) -> Result<i32> {
         let mut pids = self.pids();

@@ -90,25 +90,6 @@ fn put(c: &Client, pool: u64, name: &str, seed: u64, len: usize) -> (String, Vec
     (name.to_string(), d)
 }
 
-/// The process recorded for `member` is still running.
-fn running(h: &Harness, member: &str) -> bool {
-    let pids = std::fs::read_to_string(h.lc.dir.join("pids")).unwrap();
-    let pid: i32 = pids
-        .lines()
-        .find_map(|l| l.strip_prefix(&format!("{member} ")))
-        .unwrap_or_else(|| panic!("no pid recorded for {member}"))
-        .trim()
-        .parse()
-        .unwrap();
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-        !s.rsplit(')')
-            .next()
-            .unwrap_or("")
-            .trim_start()
-            .starts_with('Z')
-    })
-}
-
 /// A primary whose network is cut (its process running on, its clients' and peers'
 /// connections hanging) is marked down; a write to an object it led completes through the
 /// next primary, new objects are written with its shard missing, and everything reads back
@@ -164,7 +145,7 @@ fn a_partitioned_primary_is_replaced_then_caught_up_by_delta_when_healed() {
         ));
     }
     read_all(c, pool, &objects);
-    assert!(running(h, &member), "{member} exited while cut off");
+    assert!(h.lc.is_running(&member), "{member} exited while cut off");
 
     h.lc.set_connected(&member, true).unwrap();
     wait_up(c, victim, true);
@@ -175,7 +156,7 @@ fn a_partitioned_primary_is_replaced_then_caught_up_by_delta_when_healed() {
     assert_eq!(s.recovery.backfill_objects, 0, "{:?}", s.recovery);
     assert_eq!(s.recovery.failures, 0, "{:?}", s.recovery);
     assert!(
-        running(h, &member),
+        h.lc.is_running(&member),
         "{member} restarted instead of rejoining"
     );
 
@@ -222,7 +203,7 @@ fn a_partitioned_monitor_leader_is_replaced_and_catches_up_when_healed() {
     h.lc.stop_member("node.4", true).unwrap();
     wait_up(c, 4, false);
     let epoch = c.map().epoch;
-    assert!(running(h, &member), "{member} exited while cut off");
+    assert!(h.lc.is_running(&member), "{member} exited while cut off");
 
     h.lc.set_connected(&member, true).unwrap();
     // A client of the old leader alone sees the map made without it.
@@ -409,7 +390,10 @@ fn writes_under_rolling_partitions_all_complete_and_read_back() {
     h.kill_nodes(&[2, 7]);
     read_all(c, pool, &objects);
     for id in cut {
-        assert!(running(h, &format!("node.{id}")), "node.{id} restarted");
+        assert!(
+            h.lc.is_running(&format!("node.{id}")),
+            "node.{id} restarted"
+        );
     }
 }
 
@@ -464,7 +448,7 @@ fn a_node_cut_off_past_the_out_grace_is_marked_back_in_when_healed() {
         n.up && n.r#in
     });
     assert!(
-        running(h, &member),
+        h.lc.is_running(&member),
         "{member} restarted instead of rejoining"
     );
     let s = wait_recovered(c, |_| true);
@@ -512,7 +496,7 @@ fn without_a_monitor_quorum_the_data_path_goes_on_with_the_last_map() {
     read_all(c, pool, &objects);
     assert_eq!(c.map().epoch, epoch, "the map moved without a quorum");
     for m in cut {
-        assert!(running(h, m), "{m} exited while cut off");
+        assert!(h.lc.is_running(m), "{m} exited while cut off");
         h.lc.set_connected(m, true).unwrap();
     }
     // A leader again: a node that dies is marked down.
