@@ -259,7 +259,7 @@ impl Node {
         // A resend of a mutation already applied here: its version, not a second apply. Only
         // for ops without reads (their results would have to be replayed).
         let dedup = op.reqid != 0 && !op.ops.iter().any(|o| o.is_read());
-        if let Some(version) = c.applied.get(who, op.reqid).filter(|_| dedup) {
+        if let Some(version) = dedup.then(|| c.applied.get(who, op.reqid)).flatten() {
             self.counters.resends_answered.fetch_add(1, Relaxed);
             let mut e = Enc::new(ctx.map.epoch);
             e.u16(Status::Ok as u16);
