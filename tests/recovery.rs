@@ -386,6 +386,7 @@ fn shard_write_payload(pool: u64, pg: u32, name: &[u8], epoch: u64, data: &[u8])
         },
         offset: 0,
         xattrs: vec![],
+        reqid: None,
         data: nvstore::node::local::ShardData::Flat(data),
         chunk_crcs: Vec::new(),
         listed_crcs: Vec::new(),
@@ -692,4 +693,147 @@ fn survivors_stop_redialling_a_node_marked_down_and_reconnect_when_it_is_back() 
     // The others gone, every object must come from the returned node and node 1.
     h.kill_nodes(&[2, 3]);
     read_all(c, pool, &objects);
+}
+
+/// Send a client append straight to the PG's primary in `c`'s current map, with request id
+/// `reqid`: (the primary, the version the reply names).
+fn raw_append(
+    h: &Harness,
+    m: &messenger::Messenger,
+    pool: u64,
+    name: &[u8],
+    reqid: u64,
+) -> (u32, u64) {
+    use nvstore::ops::{ClientOp, SubOp};
+    use nvstore::wire;
+    let _ = h.client.refresh_map();
+    let map = h.client.map();
+    let p = &map.pools[&pool];
+    let primary = Acting::compute(&map, p, pg_of(p, name)).primary.unwrap();
+    let conn = m
+        .connect(map.nodes[&primary].addr, messenger::Identity::Node(primary))
+        .unwrap();
+    let op = ClientOp {
+        epoch: map.epoch,
+        pool,
+        name,
+        flags: 0,
+        upload_id: 0,
+        reqid,
+        ops: vec![SubOp::Append(b"entry;")],
+    }
+    .encode();
+    let r = conn
+        .request(
+            messenger::OutMessage::new(wire::MSG_CLIENT_OP, op),
+            Duration::from_secs(30),
+        )
+        .unwrap();
+    let (_, body) = wire::parse_reply_epoch(&r.payload);
+    let version = nvstore::ops::decode_results(body.unwrap()).unwrap().0;
+    (primary, version)
+}
+
+/// A resend that reaches a new primary — the first one died before its reply got out — is
+/// answered from the new primary's PG log, where the shard write of the first send named the
+/// request, and is not applied again. A new request id is a new op.
+#[test]
+fn a_resend_to_a_new_primary_is_answered_from_its_pg_log() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(4);
+    let c = &h.client;
+    let pool = c.create_pool("resend", 2, 2, 4096, 8, None).unwrap();
+    c.put(pool, b"log", b"start;").unwrap();
+    let m = h.raw_messenger(messenger::Identity::Client(4343));
+    let (first, v1) = raw_append(&h, &m, pool, b"log", 77);
+    h.kill_nodes(&[first]);
+    wait_up(c, first, false);
+    let (second, v2) = raw_append(&h, &m, pool, b"log", 77);
+    assert_ne!(second, first, "the PG has a new primary");
+    assert_eq!(v2, v1, "the resend reports the version the first send made");
+    assert_eq!(c.get(pool, b"log").unwrap(), b"start;entry;");
+    assert_eq!(c.stat(pool, b"log").unwrap().version, v1);
+    let (_, v3) = raw_append(&h, &m, pool, b"log", 78);
+    assert!(v3 > v1);
+    assert_eq!(c.get(pool, b"log").unwrap(), b"start;entry;entry;");
+    m.shutdown();
+}
+
+/// A PG log entry can name a request whose write was never acknowledged: here only the
+/// future primary took its shard before the old primary died. The new primary rolls that
+/// write back when it resolves the object (its recovery pass, or the resend's own resolve,
+/// whichever comes first: the unit test `resends_are_answered_from_applies_and_from_log_
+/// entries_that_stand` covers the second order), so a resend of the request is applied
+/// once, not answered with the version of the write that was undone.
+#[test]
+fn a_resend_is_not_answered_from_a_log_entry_whose_write_was_rolled_back() {
+    use nvstore::node::local::{ReqId, ShardData, ShardMeta, ShardWrite, WriteKind, BASE_ANY};
+
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(4);
+    let c = &h.client;
+    let pool = c.create_pool("undone", 2, 2, 4096, 8, None).unwrap();
+    c.put(pool, b"log", b"start;").unwrap();
+    let put_version = c.stat(pool, b"log").unwrap().version;
+    let map = c.map();
+    let p = &map.pools[&pool];
+    let a = Acting::compute(&map, p, pg_of(p, b"log"));
+    let primary = a.primary.unwrap();
+    // The member that leads the PG once the primary is down: the first other up member.
+    let (slot, next) = a
+        .members
+        .iter()
+        .enumerate()
+        .find_map(|(s, m)| m.filter(|n| *n != primary).map(|n| (s, n)))
+        .unwrap();
+    let client = messenger::Identity::Client(4343);
+    // The primary's shard write of an append with request id 99 that reached `next` only.
+    let written = (map.epoch << 32) | 0xfff;
+    let data = b"start;entry;".to_vec();
+    let w = ShardWrite {
+        pool,
+        pg: a.pg,
+        name: b"log",
+        shard: slot as u8,
+        kind: WriteKind::Full,
+        base_version: BASE_ANY,
+        meta: ShardMeta {
+            version: written,
+            size: data.len() as u64,
+            mtime_unix_ns: 1,
+            deleted: false,
+        },
+        offset: 0,
+        xattrs: vec![],
+        reqid: Some(ReqId {
+            who: client,
+            id: 99,
+        }),
+        data: ShardData::Flat(&data),
+        chunk_crcs: Vec::new(),
+        listed_crcs: Vec::new(),
+    };
+    let mut payload = w.encode_header(map.epoch);
+    payload.extend_from_slice(&data);
+    let as_primary = h.raw_messenger(messenger::Identity::Node(primary));
+    let conn = as_primary
+        .connect(map.nodes[&next].addr, messenger::Identity::Node(next))
+        .unwrap();
+    let (status, message) = ask(&conn, nvstore::wire::MSG_SHARD_WRITE, payload);
+    assert_eq!(status, nvstore::wire::Status::Ok, "{message}");
+    as_primary.shutdown();
+
+    h.kill_nodes(&[primary]);
+    wait_up(c, primary, false);
+    let m = h.raw_messenger(client);
+    let (leader, v) = raw_append(&h, &m, pool, b"log", 99);
+    assert_eq!(leader, next);
+    assert_ne!(
+        v, written,
+        "answered with the version of a write that was undone"
+    );
+    assert!(v > put_version);
+    assert_eq!(c.get(pool, b"log").unwrap(), b"start;entry;");
+    assert_eq!(c.stat(pool, b"log").unwrap().version, v);
+    m.shutdown();
 }

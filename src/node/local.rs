@@ -5,7 +5,8 @@
 //! * `(pool, name, shard)` — shard data; xattr `nv.meta` = [`ShardMeta`], `nv.rb` = the
 //!   [`Rollback`] of the last write, `u.<name>` = user xattrs (every shard carries them all).
 //! * `(pool, name, shard | 0x80)` — rollback bytes too large for the xattr.
-//! * `(pool, "\0log" ‖ pg BE32 ‖ version BE64 ‖ name, 0xFE)` — per-PG log entry (empty).
+//! * `(pool, "\0log" ‖ pg BE32 ‖ version BE64 ‖ name, 0xFE)` — per-PG log entry: empty, or
+//!   the [`ReqId`] of the client request the write carried out (13 bytes).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -15,7 +16,7 @@ use store::{AsyncCommit, ObjectKey, Part, ReadBuf, Store, StoreError, Transactio
 
 use crate::error::{Error, Result};
 use crate::wire::{Dec, Enc, Status};
-use messenger::SendBuf;
+use messenger::{Identity, SendBuf};
 
 /// Rollback bytes kept inline in the `nv.rb` xattr up to this size.
 const ROLLBACK_INLINE_BYTES_MAX: usize = 32 << 10;
@@ -33,6 +34,71 @@ const XATTR_RB: &str = "nv.rb";
 const USER_PREFIX: &str = "u.";
 /// `base_version` meaning "whatever the member has".
 pub const BASE_ANY: u64 = u64::MAX;
+
+/// The client request a write carries out: who sent it and its `ClientOp::reqid`. Members
+/// keep it in the write's PG log entry, so a node that later leads the PG recognises a
+/// resend of the request (see `PgCache::applied`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ReqId {
+    pub who: Identity,
+    pub id: u64,
+}
+
+impl ReqId {
+    /// As a log entry holds it and SHARD_WRITE carries it: kind u8 (1 client, 2 node), who
+    /// u32, id u64.
+    const BYTES: usize = 13;
+
+    fn to_bytes(self) -> [u8; Self::BYTES] {
+        let (kind, n) = match self.who {
+            Identity::Client(n) => (1u8, n),
+            Identity::Node(n) => (2u8, n),
+        };
+        let mut b = [0u8; Self::BYTES];
+        b[0] = kind;
+        b[1..5].copy_from_slice(&n.to_le_bytes());
+        b[5..].copy_from_slice(&self.id.to_le_bytes());
+        b
+    }
+
+    /// `None` for a kind 0 (no request id) or anything that is not 13 bytes of a known kind.
+    fn from_bytes(b: &[u8]) -> Option<ReqId> {
+        if b.len() != Self::BYTES {
+            return None;
+        }
+        let n = u32::from_le_bytes(b[1..5].try_into().expect("4 bytes"));
+        let who = match b[0] {
+            1 => Identity::Client(n),
+            2 => Identity::Node(n),
+            _ => return None,
+        };
+        let id = u64::from_le_bytes(b[5..].try_into().expect("8 bytes"));
+        Some(ReqId { who, id })
+    }
+
+    fn encode(r: Option<ReqId>, e: &mut Enc) {
+        match r {
+            Some(r) => e.0.extend_from_slice(&r.to_bytes()),
+            None => {
+                e.u8(0);
+            }
+        }
+    }
+
+    fn decode(d: &mut Dec) -> Result<Option<ReqId>> {
+        let kind = d.u8()?;
+        if kind == 0 {
+            return Ok(None);
+        }
+        let mut b = [0u8; Self::BYTES];
+        b[0] = kind;
+        b[1..5].copy_from_slice(&d.u32()?.to_le_bytes());
+        b[5..].copy_from_slice(&d.u64()?.to_le_bytes());
+        ReqId::from_bytes(&b)
+            .map(Some)
+            .ok_or_else(|| Error::Malformed(format!("request id kind {kind}")))
+    }
+}
 
 /// The object as one shard knows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -230,6 +296,9 @@ pub struct ShardWrite<'a> {
     pub offset: u64,
     /// Full: the complete set; Range/Meta: changes (`None` removes).
     pub xattrs: Vec<(String, Option<Vec<u8>>)>,
+    /// The client request the write carries out, for the PG log entry (`None`: none, as
+    /// for recovery, repair and requests without an id).
+    pub reqid: Option<ReqId>,
     pub data: ShardData<'a>,
     /// (length, CRC-32C) of consecutive pieces of `data`, tiling it, known to describe it:
     /// the primary's own sums, or a member's list that [`ShardWrite::vouch`] checked against
@@ -259,6 +328,7 @@ impl<'a> ShardWrite<'a> {
         self.meta.encode(&mut e);
         e.u64(self.offset);
         encode_xattr_changes(&mut e, &self.xattrs);
+        ReqId::encode(self.reqid, &mut e);
         e.u32(data_len as u32);
         e.0
     }
@@ -278,6 +348,7 @@ impl<'a> ShardWrite<'a> {
         let meta = ShardMeta::decode(d)?;
         let offset = d.u64()?;
         let xattrs = decode_xattr_changes(d)?;
+        let reqid = ReqId::decode(d)?;
         let bytes = d.bytes()?;
         let data = ShardData::Flat(bytes);
         // Optionally, after the data: n u32, n × (length u32, crc32c u32) of its pieces.
@@ -311,6 +382,7 @@ impl<'a> ShardWrite<'a> {
             meta,
             offset,
             xattrs,
+            reqid,
             data,
             chunk_crcs: Vec::new(),
             listed_crcs,
@@ -807,7 +879,8 @@ impl Local {
                 None => {}
             }
         }
-        t.replace(log_key.clone(), &[]);
+        let reqid = w.reqid.map(ReqId::to_bytes);
+        t.replace(log_key.clone(), reqid.as_ref().map_or(&[][..], |b| &b[..]));
         let mut logs = self.pg_logs.lock().unwrap();
         let log = logs
             .entry((w.pool, w.pg))
@@ -1032,6 +1105,34 @@ impl Local {
             .or_else(|| full.then(|| out.first().map_or(0, |e| e.0)))
             .unwrap_or(0);
         (out, trimmed)
+    }
+
+    /// The entries of this node's log of PG (pool, pg) newer than version `after` that name
+    /// the client request they carried out: (version, object name, request id), oldest first.
+    /// Reads each such entry from the store (outside the log's lock); an entry trimmed
+    /// meanwhile, or unreadable, is left out.
+    pub fn logged_reqids(&self, pool: u64, pg: u32, after: u64) -> Vec<(u64, Vec<u8>, ReqId)> {
+        let st = self.store(pool, pg);
+        let keys: Vec<ObjectKey> = {
+            let mut logs = self.pg_logs.lock().unwrap();
+            logs.entry((pool, pg))
+                .or_insert_with(|| self.load_log(st, pool, pg))
+                .iter()
+                .filter(|k| log_version(k).is_some_and(|v| v > after))
+                .cloned()
+                .collect()
+        };
+        let mut out: Vec<(u64, Vec<u8>, ReqId)> = keys
+            .into_iter()
+            // The size is in the index: only entries that hold a request id are read.
+            .filter(|k| st.stat(k).is_ok_and(|s| s.size == ReqId::BYTES as u64))
+            .filter_map(|k| {
+                let r = ReqId::from_bytes(&st.read_vec(&k, 0, u64::MAX).ok()?)?;
+                Some((log_version(&k)?, k.name[16..].to_vec(), r))
+            })
+            .collect();
+        out.sort_by_key(|e| e.0);
+        out
     }
 
     pub fn shard_count(&self) -> u64 {
@@ -1344,6 +1445,7 @@ mod store_tests {
                 .iter()
                 .map(|(k, v)| (k.to_string(), Some(v.to_vec())))
                 .collect(),
+            reqid: None,
             data: ShardData::Flat(data),
             chunk_crcs: Vec::new(),
             listed_crcs: Vec::new(),
@@ -1530,6 +1632,57 @@ mod store_tests {
         let reloaded = l.load_log(st, 1, 3);
         assert_eq!(reloaded.len(), PG_LOG_ENTRIES_MAX);
         assert!(reloaded.front().unwrap().name.ends_with(b"obj"));
+    }
+
+    /// A write's request id travels in SHARD_WRITE and lands in its PG log entry, where
+    /// `logged_reqids` finds it (newer than a given version only); a rollback removes it with
+    /// the entry.
+    #[test]
+    fn request_ids_travel_with_shard_writes_into_the_pg_log() {
+        let (_d, l) = local();
+        let rid = |n: u64| ReqId {
+            who: Identity::Client(7),
+            id: n,
+        };
+        let mut w = full(5, b"abc", &[]);
+        w.reqid = Some(rid(0xfeed));
+        let head = w.encode_header(9);
+        let mut msg = head.clone();
+        msg.extend_from_slice(b"abc");
+        let mut d = Dec::new(&msg);
+        assert_eq!(d.u64().unwrap(), 9);
+        assert_eq!(ShardWrite::decode(&mut d).unwrap().reqid, Some(rid(0xfeed)));
+        // A request id of an unknown kind is malformed.
+        let at = head.len() - 4 - ReqId::BYTES;
+        assert_eq!(head[at], 1);
+        msg[at] = 9;
+        let mut d = Dec::new(&msg);
+        d.u64().unwrap();
+        assert!(ShardWrite::decode(&mut d).is_err());
+
+        l.apply(&w).unwrap();
+        l.apply(&full(6, b"abcd", &[])).unwrap();
+        let mut w7 = full(7, b"abcde", &[]);
+        w7.reqid = Some(ReqId {
+            who: Identity::Node(3),
+            id: 1,
+        });
+        l.apply(&w7).unwrap();
+        let got = l.logged_reqids(1, 3, 0);
+        assert_eq!(
+            got,
+            vec![
+                (5, b"obj".to_vec(), rid(0xfeed)),
+                (7, b"obj".to_vec(), w7.reqid.unwrap())
+            ]
+        );
+        assert_eq!(l.logged_reqids(1, 3, 5).len(), 1);
+        assert!(l.logged_reqids(1, 4, 0).is_empty());
+        l.rollback(1, 3, b"obj", 2, 7).unwrap();
+        assert_eq!(
+            l.logged_reqids(1, 3, 0),
+            vec![(5, b"obj".to_vec(), rid(0xfeed))]
+        );
     }
 
     /// The non-blocking path writes exactly what the blocking one does (data, metadata,

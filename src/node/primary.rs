@@ -22,10 +22,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ec::{Codec, Profile, Shard};
 use messenger::checksum::crc32c_combine;
-use messenger::{BufPool, Identity, Incoming, OutMessage, Payload, SendBuf};
+use messenger::{BufPool, Incoming, OutMessage, Payload, SendBuf};
 use smallvec::SmallVec;
 
-use super::local::{ShardData, ShardMeta, ShardState, ShardWrite, WriteKind, BASE_ANY};
+use super::local::{ReqId, ShardData, ShardMeta, ShardState, ShardWrite, WriteKind, BASE_ANY};
 use super::Node;
 use crate::error::{Error, Result};
 use crate::map::{ClusterMap, PoolInfo};
@@ -81,37 +81,93 @@ pub struct PgCache {
     pub(super) last_version: u64,
     /// Newest version the up members were told they are complete through (their marks).
     pub(super) marked: u64,
-    /// Mutations this node applied as the PG's primary, by request id (kept across member
-    /// changes: an op applied is applied, whoever led the PG since).
+    /// Mutations applied in this PG, by request id, so a resend is not applied twice.
     applied: Applied,
 }
 
-/// Client mutations applied recently, (client, `ClientOp::reqid`) → the version they made,
-/// so a resend of one (its reply was lost, or the client gave up waiting) is answered with
-/// that version instead of being applied twice. The newest [`APPLIED_PER_PG_MAX`] per PG;
-/// in memory, so only resends to the node that applied the op are recognised.
+/// Client mutations applied recently in a PG, (client, `ClientOp::reqid`) → the version they
+/// made, so a resend of one (its reply was lost, or the client gave up waiting, maybe on
+/// another primary) is answered with that version instead of being applied twice — Ceph's
+/// reqids in the PG log. Two sources:
+/// * **applied here**: this node applied the mutation as the PG's primary and every up member
+///   acknowledged it. Kept across member changes: an op applied is applied, whoever led the
+///   PG since.
+/// * **logged**: this node's own PG log names the request (`Local::logged_reqids`): it
+///   applied its shard of a mutation another primary made. Read from the log (once per
+///   primary tenure, the entries newer than any seen before) the first time the PG serves a
+///   mutation after its members or a node's state changed. A logged write may not have been
+///   acknowledged (the primary died first, and the new primary rolled it back), so a resend
+///   is answered from it only once the object is resolved and stands at exactly that
+///   version: versions are unique, so the object's state is that write. Otherwise the
+///   request is applied as new.
+///
+/// The newest [`APPLIED_PER_PG_MAX`] per PG, the length of the PG log.
 #[derive(Default)]
 struct Applied {
-    versions: HashMap<(Identity, u64), u64>,
-    order: VecDeque<(Identity, u64)>,
+    done: HashMap<ReqId, Done>,
+    order: VecDeque<ReqId>,
+    /// The log has been read since the PG's members or a node's state last changed.
+    seeded: bool,
+    /// Newest version read from the log or applied here since it was: older entries are
+    /// known already.
+    through: u64,
 }
 
-/// Request ids a PG's primary remembers (~40 bytes each).
-const APPLIED_PER_PG_MAX: usize = 256;
+enum Done {
+    Applied(u64),
+    Logged { version: u64, name: Vec<u8> },
+}
+
+/// Request ids a PG's primary remembers (~60 bytes each, plus a logged entry's name):
+/// as many as the PG log holds.
+const APPLIED_PER_PG_MAX: usize = super::local::PG_LOG_ENTRIES_MAX;
 
 impl Applied {
-    fn get(&self, who: Identity, reqid: u64) -> Option<u64> {
-        self.versions.get(&(who, reqid)).copied()
+    /// The version to answer a resend of `r` with: what it made if applied here; if only
+    /// logged, once the object is resolved (`resolved`: its name and version), the logged
+    /// version when the object stands at exactly that version (then it counts as applied).
+    fn answer(&mut self, r: ReqId, resolved: Option<(&[u8], u64)>) -> Option<u64> {
+        let v = match (self.done.get(&r)?, resolved) {
+            (Done::Applied(v), _) => return Some(*v),
+            (Done::Logged { version, name }, Some((n, v))) if *version == v && name == n => v,
+            _ => return None,
+        };
+        self.applied(r, v);
+        Some(v)
     }
 
-    fn insert(&mut self, who: Identity, reqid: u64, version: u64) {
-        if self.versions.insert((who, reqid), version).is_none() {
-            self.order.push_back((who, reqid));
+    fn insert(&mut self, r: ReqId, d: Done) {
+        if self.done.insert(r, d).is_none() {
+            self.order.push_back(r);
             if self.order.len() > APPLIED_PER_PG_MAX {
                 let old = self.order.pop_front().expect("non-empty");
-                self.versions.remove(&old);
+                self.done.remove(&old);
             }
         }
+    }
+
+    /// The PG's members or a node's state changed: another node may have led it meanwhile.
+    fn members_changed(&mut self) {
+        self.seeded = false;
+    }
+
+    /// Add the entries of this node's PG log that name a request (newer than any already
+    /// read), unless applied here.
+    fn seed(&mut self, logged: Vec<(u64, Vec<u8>, ReqId)>) {
+        for (version, name, r) in logged {
+            self.through = self.through.max(version);
+            if !matches!(self.done.get(&r), Some(Done::Applied(_))) {
+                self.insert(r, Done::Logged { version, name });
+            }
+        }
+        self.seeded = true;
+    }
+
+    fn applied(&mut self, r: ReqId, version: u64) {
+        if self.seeded {
+            self.through = self.through.max(version);
+        }
+        self.insert(r, Done::Applied(version));
     }
 }
 
@@ -183,14 +239,21 @@ impl Node {
         } else {
             None
         };
+        // Only ops without reads are recognised when resent (the results of reads would have
+        // to be kept and replayed).
+        let reqid = (op.reqid != 0 && !op.ops.iter().any(|o| o.is_read())).then(|| ReqId {
+            who: job.peer(),
+            id: op.reqid,
+        });
         let mut attempt = 0;
         loop {
             attempt += 1;
             let src = Source {
                 staged: staged.as_deref(),
                 request: job.payload(),
+                reqid,
             };
-            match self.try_op(&op, job.peer(), src, cache) {
+            match self.try_op(&op, src, cache) {
                 Err(Error::Remote {
                     status: Status::VersionMismatch,
                     message,
@@ -246,27 +309,36 @@ impl Node {
         })
     }
 
-    fn try_op(
-        &self,
-        op: &ClientOp,
-        who: Identity,
-        src: Source,
-        cache: &Mutex<PgCache>,
-    ) -> Result<Vec<SendBuf>> {
+    fn try_op(&self, op: &ClientOp, src: Source, cache: &Mutex<PgCache>) -> Result<Vec<SendBuf>> {
         let ctx = self.ctx(op)?;
         let m = check_ops(op)?;
         let mut c = cache.lock().unwrap();
-        // A resend of a mutation already applied here: its version, not a second apply. Only
-        // for ops without reads (their results would have to be replayed).
-        let dedup = op.reqid != 0 && !op.ops.iter().any(|o| o.is_read());
-        if let Some(version) = dedup.then(|| c.applied.get(who, op.reqid)).flatten() {
+        self.refresh_cache(&ctx, &mut c);
+        let answer = |version: u64| {
             self.counters.resends_answered.fetch_add(1, Relaxed);
             let mut e = Enc::new(ctx.map.epoch);
             e.u16(Status::Ok as u16);
-            return Ok(ops::encode_results_parts(e, version, Vec::new()));
+            ops::encode_results_parts(e, version, Vec::new())
+        };
+        // A resend of a mutation already applied: its version, not a second apply.
+        if let Some(r) = src.reqid {
+            if !c.applied.seeded {
+                let logged = self
+                    .local
+                    .logged_reqids(ctx.pool.id, ctx.pg, c.applied.through);
+                c.applied.seed(logged);
+            }
+            if let Some(version) = c.applied.answer(r, None) {
+                return Ok(answer(version));
+            }
         }
         self.refresh_cache(&ctx, &mut c);
         let st = self.resolve(&ctx, &mut c, op.name)?;
+        if let Some(r) = src.reqid {
+            if let Some(version) = c.applied.answer(r, Some((op.name, st.version))) {
+                return Ok(answer(version));
+            }
+        }
         for o in &op.ops {
             match o {
                 SubOp::AssertVersion(v) => {
@@ -323,9 +395,10 @@ impl Node {
         } else {
             self.counters.write_ops.fetch_add(1, Relaxed);
             self.hot.invalidate(op.pool, op.name);
+            let reqid = src.reqid;
             let v = self.write(&ctx, &mut c, op.name, &st, m, src)?;
-            if dedup {
-                c.applied.insert(who, op.reqid, v);
+            if let Some(r) = reqid {
+                c.applied.applied(r, v);
             }
             v
         };
@@ -351,6 +424,7 @@ impl Node {
             c.node_change_epoch = changed;
             c.objs.clear();
             c.complete_at = None;
+            c.applied.members_changed();
         }
     }
 
@@ -933,7 +1007,11 @@ impl Node {
         m: Mutation<'a>,
         src: Source<'a>,
     ) -> Result<u64> {
-        let Source { staged, request } = src;
+        let Source {
+            staged,
+            request,
+            reqid,
+        } = src;
         let mut xattrs = if st.exists() {
             st.xattrs.clone()
         } else {
@@ -1101,7 +1179,17 @@ impl Node {
         } else {
             m.xattrs.clone()
         };
-        let acked = self.replicate(ctx, name, &kinds, base, meta, &xattr_list, &shards, targets);
+        let acked = self.replicate(
+            ctx,
+            name,
+            &kinds,
+            base,
+            meta,
+            &xattr_list,
+            reqid,
+            &shards,
+            targets,
+        );
         match &acked {
             Ok(a) if up_mask & !a == 0 => c.last_version = c.last_version.max(version),
             // Some up member (maybe this node) lags an object now: this node's shards no longer
@@ -1268,6 +1356,7 @@ impl Node {
         base: u64,
         meta: ShardMeta,
         xattrs: &[(String, Option<Vec<u8>>)],
+        reqid: Option<ReqId>,
         shards: &[ShardBytes],
         targets: u64,
     ) -> Result<u64> {
@@ -1363,6 +1452,7 @@ impl Node {
                     meta,
                     offset: kinds[s].1,
                     xattrs: xattrs.to_vec(),
+                    reqid,
                     data: bytes_of(s),
                     chunk_crcs: piece_crcs[s].clone(),
                     listed_crcs: Vec::new(),
@@ -1735,6 +1825,8 @@ struct Source<'a> {
     staged: Option<&'a [u8]>,
     /// The request as received: data that lies in it is sent on by reference.
     request: &'a Payload,
+    /// The request's id, when a resend of it is to be recognised.
+    reqid: Option<ReqId>,
 }
 
 /// A stripe unit sent with its CRC, which the frame's CRC combines instead of summing the
@@ -1913,6 +2005,58 @@ mod tests {
     use super::*;
     use messenger::checksum::crc32c;
     use proptest::prelude::*;
+
+    /// A resend is answered at once when this node applied it; when only its PG log names
+    /// it, after the object is resolved and only if the object stands at the logged version
+    /// (a write rolled back since, or superseded, is not vouched for). Own applies and log
+    /// entries older than those seen are not read again; the window is bounded.
+    #[test]
+    fn resends_are_answered_from_applies_and_from_log_entries_that_stand() {
+        let rid = |id: u64| ReqId {
+            who: messenger::Identity::Client(1),
+            id,
+        };
+        let mut a = Applied::default();
+        assert!(!a.seeded);
+        a.seed(vec![
+            (10, b"x".to_vec(), rid(1)),
+            (12, b"y".to_vec(), rid(2)),
+        ]);
+        assert_eq!((a.seeded, a.through), (true, 12));
+        // Logged: not before the object is resolved, nor for another name or version.
+        assert_eq!(a.answer(rid(1), None), None);
+        assert_eq!(a.answer(rid(1), Some((b"y", 10))), None);
+        assert_eq!(a.answer(rid(1), Some((b"x", 11))), None);
+        assert_eq!(a.answer(rid(1), Some((b"x", 10))), Some(10));
+        // Vouched for once, it answers from then on without a resolve.
+        assert_eq!(a.answer(rid(1), None), Some(10));
+        assert_eq!(a.answer(rid(3), Some((b"x", 10))), None);
+        a.applied(rid(3), 20);
+        assert_eq!(a.answer(rid(3), None), Some(20));
+        assert_eq!(a.through, 20);
+        // A later seed keeps what was applied here.
+        a.members_changed();
+        a.seed(vec![
+            (20, b"z".to_vec(), rid(3)),
+            (25, b"w".to_vec(), rid(4)),
+        ]);
+        assert_eq!(a.answer(rid(3), None), Some(20));
+        assert_eq!(a.through, 25);
+        // An apply before the log was read does not move the mark past unread entries.
+        a.members_changed();
+        a.applied(rid(5), 40);
+        assert_eq!(a.through, 25);
+        for i in 0..APPLIED_PER_PG_MAX as u64 + 10 {
+            a.applied(rid(100 + i), 100 + i);
+        }
+        assert_eq!(a.done.len(), APPLIED_PER_PG_MAX);
+        assert_eq!(a.order.len(), APPLIED_PER_PG_MAX);
+        assert_eq!(
+            a.answer(rid(1), None),
+            None,
+            "the oldest fell out of the window"
+        );
+    }
 
     /// A member's reply of `n` bytes in chunks of `chunk` (the last one short), as parsed,
     /// clipped to `clip` bytes of meaning, asked for `len`.

@@ -161,6 +161,7 @@ impl Node {
             meta,
             offset: 0,
             xattrs: xattrs.clone(),
+            reqid: None,
             data: ShardData::Flat(&data[&s]),
             chunk_crcs: Vec::new(),
             listed_crcs: Vec::new(),
