@@ -464,14 +464,23 @@ impl LocalCluster {
     /// Cut `member`'s network (`connected = false`: nothing reaches it, its process runs on)
     /// or restore it. Only for a cluster created with `netns`.
     pub fn set_connected(&self, member: &str, connected: bool) -> Result<()> {
-        match Fabric::load(&self.dir)? {
-            Some(f) => f.set_connected(member, connected),
-            None => Err(Error::Config(format!(
+        self.fabric()?.set_connected(member, connected)
+    }
+
+    /// Cut (`connected` false) or restore the path between members `a` and `b` only
+    /// ([`Fabric::set_link`]); both keep their paths to everyone else.
+    pub fn set_link(&self, a: &str, b: &str, connected: bool) -> Result<()> {
+        self.fabric()?.set_link(a, b, connected)
+    }
+
+    fn fabric(&self) -> Result<Fabric> {
+        Fabric::load(&self.dir)?.ok_or_else(|| {
+            Error::Config(format!(
                 "{}: this cluster runs on loopback; only one made with network namespaces \
                  (`cluster up --netns`) can have a member's network cut",
                 self.dir.display()
-            ))),
-        }
+            ))
+        })
     }
 }
 
@@ -531,17 +540,23 @@ pub enum ClusterCommand {
         member: String,
     },
     /// Cut one member's network (a cluster made with `up --netns`): it keeps running, and
-    /// nothing reaches it or leaves it until `heal`
+    /// nothing reaches it or leaves it until `heal`; with `--from`, only its paths to those
+    /// members (an asymmetric partition: it still reaches everyone else)
     Cut {
         #[arg(long)]
         dir: PathBuf,
         member: String,
+        /// Members (comma-separated, e.g. node.1,node.2) to cut it off from, instead of all
+        #[arg(long, value_delimiter = ',')]
+        from: Vec<String>,
     },
-    /// Restore a member's network cut by `cut`
+    /// Restore a member's network cut by `cut` (with `--from`: the paths `cut --from` cut)
     Heal {
         #[arg(long)]
         dir: PathBuf,
         member: String,
+        #[arg(long, value_delimiter = ',')]
+        from: Vec<String>,
     },
 }
 
@@ -663,14 +678,28 @@ pub fn run_cluster(cmd: ClusterCommand) -> CliResult {
             println!("{member} pid {pid}");
             Ok(ExitCode::SUCCESS)
         }
-        ClusterCommand::Cut { dir, member } => {
-            LocalCluster::new(&dir, &exe).set_connected(&member, false)?;
-            println!("{member}: network cut (its process runs on; `cluster heal` restores it)");
+        ClusterCommand::Cut { dir, member, from } => {
+            let lc = LocalCluster::new(&dir, &exe);
+            if from.is_empty() {
+                lc.set_connected(&member, false)?;
+                println!("{member}: network cut (its process runs on; `cluster heal` restores it)");
+            }
+            for other in &from {
+                lc.set_link(&member, other, false)?;
+                println!("{member} <-> {other}: path cut (both reach everyone else)");
+            }
             Ok(ExitCode::SUCCESS)
         }
-        ClusterCommand::Heal { dir, member } => {
-            LocalCluster::new(&dir, &exe).set_connected(&member, true)?;
-            println!("{member}: network restored");
+        ClusterCommand::Heal { dir, member, from } => {
+            let lc = LocalCluster::new(&dir, &exe);
+            if from.is_empty() {
+                lc.set_connected(&member, true)?;
+                println!("{member}: network restored");
+            }
+            for other in &from {
+                lc.set_link(&member, other, true)?;
+                println!("{member} <-> {other}: path restored");
+            }
             Ok(ExitCode::SUCCESS)
         }
     }

@@ -202,6 +202,25 @@ impl Fabric {
         ])
     }
 
+    /// Cut (or restore) the path between two members only, both keeping their cables to the
+    /// rest: each drops whatever it would send to the other (a blackhole route in its
+    /// namespace), so neither reaches the other — an asymmetric partition.
+    pub fn set_link(&self, a: &str, b: &str, connected: bool) -> Result<()> {
+        let (addr_a, addr_b) = (self.addr(a)?, self.addr(b)?);
+        for (member, peer) in [(a, addr_b), (b, addr_a)] {
+            let verb = if connected { "del" } else { "replace" };
+            ip(&[
+                "-n",
+                &self.namespace(member),
+                "route",
+                verb,
+                "blackhole",
+                &format!("{peer}/32"),
+            ])?;
+        }
+        Ok(())
+    }
+
     /// The command that runs `exe` inside `member`'s namespace.
     pub fn command(&self, member: &str, exe: &Path) -> Command {
         let mut cmd = Command::new("ip");

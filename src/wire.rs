@@ -54,6 +54,9 @@ pub const MSG_SHARD_REPAIR: u16 = 70;
 pub const MSG_NODE_SCRUB: u16 = 71;
 /// Where a shard's data chunks sit on the node's device (tests and `nvstore scrub locate`).
 pub const MSG_NODE_LOCATE: u16 = 72;
+/// A node's ping of another node (empty; answered Ok on the receiving messenger worker):
+/// the failure reports of `node/peerping.rs`.
+pub const MSG_PEER_PING: u16 = 60;
 /// Every reply uses this type; its body starts with a [`Status`].
 pub const MSG_REPLY: u16 = 99;
 

@@ -520,6 +520,8 @@ fn counters_slow_ops_metrics_and_thread_names() {
             "node-op-",
             "node-shard-",
             "node-heartbeat",
+            "node-peer-ping",
+            "node-peer-dial",
             "node-scrub",
             "node-recovery",
             "node-rebuild-",

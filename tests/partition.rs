@@ -167,6 +167,81 @@ fn a_partitioned_primary_is_replaced_then_caught_up_by_delta_when_healed() {
     read_all(c, pool, &objects);
 }
 
+/// An asymmetric partition: a node loses its paths to every other node but still reaches the
+/// monitor (and the client), so its heartbeats say it is fine. Its peers' failure reports
+/// (pings unanswered for the down grace, from at least two of them) get it marked down
+/// anyway — it, not the seven nodes it reports in turn — and writes go on without it. With
+/// the paths back, the reports stop, it is marked up and caught up by delta.
+#[test]
+fn a_node_cut_off_from_its_peers_but_not_the_monitor_is_marked_down_on_their_reports() {
+    let Some(t) = setup(8, 1) else {
+        return;
+    };
+    let h = &t.h;
+    let c = &h.client;
+    let pool = c.create_pool("a", 6, 2, 4096, 16, None).unwrap();
+    let mut objects: Vec<(String, Vec<u8>)> = (0..8)
+        .map(|i| {
+            put(
+                c,
+                pool,
+                &format!("before-{i}"),
+                i,
+                [1, 5000, 100_003][i as usize % 3],
+            )
+        })
+        .collect();
+    wait_recovered(c, |_| true);
+    let map = c.map();
+    let p = &map.pools[&pool];
+    let victim = Acting::compute(&map, p, pg_of(p, b"before-1"))
+        .primary
+        .unwrap();
+    let member = format!("node.{victim}");
+    let others: Vec<u32> = (1..=8).filter(|&n| n != victim).collect();
+    for o in &others {
+        h.lc.set_link(&member, &format!("node.{o}"), false).unwrap();
+    }
+    wait_up(c, victim, false);
+    // Written meanwhile: every PG has every node, so each misses the victim's shard (the
+    // first goes to the victim as its primary, which cannot reach its members).
+    objects[1] = put(c, pool, "before-1", 1001, 70_000);
+    let missed = 6;
+    for i in 0..missed {
+        objects.push(put(
+            c,
+            pool,
+            &format!("meanwhile-{i}"),
+            2000 + i,
+            3000 + 7919 * i as usize,
+        ));
+    }
+    read_all(c, pool, &objects);
+    let map = c.map();
+    assert!(!map.nodes[&victim].up);
+    for o in &others {
+        assert!(
+            map.nodes[o].up,
+            "node {o} was marked down on the cut-off node's reports"
+        );
+    }
+    assert!(h.lc.is_running(&member), "{member} exited while cut off");
+    assert!(counter(c, others[0], "node", "peers_silent") >= 1);
+
+    for o in &others {
+        h.lc.set_link(&member, &format!("node.{o}"), true).unwrap();
+    }
+    wait_up(c, victim, true);
+    // The objects written meanwhile, and the overwrite.
+    let caught_up = missed + 1;
+    let s = wait_recovered(c, |s| s.recovery.delta_objects >= caught_up);
+    assert_eq!(s.recovery.backfill_objects, 0, "{:?}", s.recovery);
+    assert_eq!(s.recovery.failures, 0, "{:?}", s.recovery);
+    // Six nodes left of eight, with k = 6: every object needs the healed node's shard.
+    h.kill_nodes(&others[..2]);
+    read_all(c, pool, &objects);
+}
+
 /// The monitor leader's network is cut: the two others elect a leader and the map stays
 /// served and writable (a new pool, a node marked down) for clients and nodes. Healed, the
 /// old leader rejoins as a follower and serves the newest map, including what was decided

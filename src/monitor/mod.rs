@@ -101,6 +101,10 @@ pub struct NodeStats {
     /// opened past at its last start (`node/salvage.rs`).
     #[serde(default)]
     pub salvaged: u64,
+    /// Failure reports: other nodes this node's pings have had no answer from for two
+    /// heartbeat periods or more, with how long (ms) (`node/peerping.rs`).
+    #[serde(default)]
+    pub silent_peers: Vec<(u32, u64)>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
@@ -159,6 +163,9 @@ pub struct Monitor {
     subs: Mutex<Vec<(Connection, u64)>>,
     seen: Mutex<HashMap<u32, Seen>>,
     down_since: Mutex<HashMap<u32, Instant>>,
+    /// Leader: since when each up node has been up, as seen from here, with the `up_from` it
+    /// had then (failure reports).
+    up_since: Mutex<HashMap<u32, (u64, Instant)>>,
 }
 
 struct MonDispatcher(OnceLock<Arc<Monitor>>);
@@ -304,7 +311,8 @@ impl Monitor {
         );
     }
 
-    /// Leader only: mark nodes down after the grace, out after the longer one.
+    /// Leader only: mark nodes down after the grace (no heartbeat, or failure reports from
+    /// their peers: [`reported_by_peers`]), out after the longer one.
     fn liveness_loop(self: Arc<Self>) {
         let mut was_leader = false;
         loop {
@@ -325,14 +333,37 @@ impl Monitor {
                         });
                 }
                 self.down_since.lock().unwrap().clear();
+                self.up_since.lock().unwrap().clear();
             }
             was_leader = leader;
             if !leader {
                 continue;
             }
             let (mut down, mut up) = (Vec::new(), Vec::new());
+            let mut cut_off = Vec::new();
             {
                 let mut seen = self.seen.lock().unwrap();
+                let grace = self.cfg.down_grace();
+                // Keyed by `up_from` too: a node that restarts between two ticks is never
+                // seen down here, but its boot moves `up_from`.
+                let mut up_since = self.up_since.lock().unwrap();
+                up_since.retain(|id, _| map.is_up(*id));
+                for n in map.nodes.values().filter(|n| n.up) {
+                    let e = up_since.entry(n.id).or_insert((n.up_from, now));
+                    if e.0 != n.up_from {
+                        *e = (n.up_from, now);
+                    }
+                }
+                let since: HashMap<u32, Instant> =
+                    up_since.iter().map(|(id, (_, t))| (*id, *t)).collect();
+                drop(up_since);
+                let reported = reported_by_peers(
+                    seen.iter()
+                        .filter(|(id, s)| map.is_up(**id) && now.duration_since(s.at) < grace)
+                        .map(|(id, s)| (*id, s.at, &s.stats.silent_peers[..])),
+                    &since,
+                    grace,
+                );
                 for n in map.nodes.values() {
                     // A node new to this leader gets a full grace period.
                     let last = Some(
@@ -344,10 +375,18 @@ impl Monitor {
                             })
                             .at,
                     );
-                    let fresh = last.is_some_and(|t| now.duration_since(t) < self.cfg.down_grace());
+                    let fresh = last.is_some_and(|t| now.duration_since(t) < grace);
+                    let by_peers = reported.get(&n.id);
                     if n.up && !fresh {
                         down.push(n.id);
-                    } else if !n.up && fresh && last.is_some_and(|t| t > now - LIVENESS_TICK * 3) {
+                    } else if n.up {
+                        if let Some(r) = by_peers {
+                            cut_off.push((n.id, r.clone()));
+                        }
+                    } else if fresh
+                        && by_peers.is_none()
+                        && last.is_some_and(|t| t > now - LIVENESS_TICK * 3)
+                    {
                         up.push(n.id);
                     }
                 }
@@ -372,6 +411,18 @@ impl Monitor {
                     self.cfg.down_grace()
                 );
                 let _ = self.command(MonCommand::MarkDown(down));
+            }
+            if !cut_off.is_empty() {
+                for (id, by) in &cut_off {
+                    info!(
+                        "monitor: marking down node {id}: its heartbeats arrive, but nodes \
+                         {by:?} have had no answer to their pings for {:?} or longer",
+                        self.cfg.down_grace()
+                    );
+                }
+                let _ = self.command(MonCommand::MarkDown(
+                    cut_off.into_iter().map(|(id, _)| id).collect(),
+                ));
             }
             for id in up {
                 let _ = self.command(MonCommand::MarkUp(id));
@@ -647,6 +698,7 @@ pub fn start(cfg: MonitorConfig) -> Result<Arc<Monitor>> {
         subs: Mutex::new(Vec::new()),
         seen: Mutex::new(HashMap::new()),
         down_since: Mutex::new(HashMap::new()),
+        up_since: Mutex::new(HashMap::new()),
     });
     let raft_cfg = openraft::Config {
         cluster_name: format!("nvstore-{}", cfg.fsid),
@@ -710,4 +762,82 @@ pub fn start(cfg: MonitorConfig) -> Result<Arc<Monitor>> {
         .spawn(move || m.liveness_loop())
         .map_err(|e| Error::io("spawn", e))?;
     Ok(mon)
+}
+
+/// Up nodes that must report a node silent before the monitor marks it down on their word
+/// (Ceph's `mon_osd_min_down_reporters`): one node cut off from all others reports every one
+/// of them, but each of those is reported by it alone.
+pub const MIN_DOWN_REPORTERS: usize = 2;
+
+/// Nodes that at least [`MIN_DOWN_REPORTERS`] reporters have pinged without an answer for
+/// `grace` or longer: node → its reporters. `reports` are (reporter, when its report came,
+/// its silent peers with how long in ms) from reporters that are up and heard from within
+/// the grace. A report counts against an up node only if the node had been up (`up_since`,
+/// as this monitor saw it) for the grace when the report came: a node that just came up has
+/// not been pinged yet, and the reports sent before it did still call it silent.
+fn reported_by_peers<'a>(
+    reports: impl Iterator<Item = (u32, Instant, &'a [(u32, u64)])>,
+    up_since: &HashMap<u32, Instant>,
+    grace: Duration,
+) -> BTreeMap<u32, Vec<u32>> {
+    let mut by: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+    for (reporter, at, silent) in reports {
+        for &(node, ms) in silent {
+            let up_long = up_since
+                .get(&node)
+                .is_none_or(|t| at.saturating_duration_since(*t) >= grace);
+            if node != reporter && Duration::from_millis(ms) >= grace && up_long {
+                by.entry(node).or_default().push(reporter);
+            }
+        }
+    }
+    by.retain(|_, r| {
+        r.sort_unstable();
+        r.dedup();
+        r.len() >= MIN_DOWN_REPORTERS
+    });
+    by
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A node is reported when two reporters have had no answer for the whole grace; one
+    /// reporter (a node cut off from the others reports them all) or a shorter silence is
+    /// not enough.
+    #[test]
+    fn a_node_is_reported_by_two_peers_silent_for_the_grace() {
+        let grace = Duration::from_millis(1000);
+        // Node 5 is cut off: it reports 1..4; 1, 2 and 3 report it (3 not for long yet).
+        let r5: &[(u32, u64)] = &[(1, 3000), (2, 3000), (3, 3000), (4, 3000)];
+        let r1: &[(u32, u64)] = &[(5, 2500)];
+        let r2: &[(u32, u64)] = &[(5, 1000)];
+        let r3: &[(u32, u64)] = &[(5, 400)];
+        let now = Instant::now();
+        let at = |r: &'static [(u32, u64)], id: u32| (id, now, r);
+        let down = HashMap::new();
+        let by = reported_by_peers(
+            [at(r5, 5), at(r1, 1), at(r2, 2), at(r3, 3), at(&[], 4)].into_iter(),
+            &down,
+            grace,
+        );
+        assert_eq!(by.into_iter().collect::<Vec<_>>(), vec![(5, vec![1, 2])]);
+        // One reporter, or reporters silent for less than the grace: nobody.
+        assert!(reported_by_peers([at(r1, 1), at(r3, 3)].into_iter(), &down, grace).is_empty());
+        // A node does not report itself; one reporter counted once.
+        let twice: &[(u32, u64)] = &[(5, 2000), (5, 2000)];
+        let own: &[(u32, u64)] = &[(1, 2000)];
+        assert!(
+            reported_by_peers([(1, now, twice), (1, now, own)].into_iter(), &down, grace)
+                .is_empty()
+        );
+        // Node 5 came up 0.5 s before the reports: they do not count yet; after the grace
+        // they do.
+        let up = HashMap::from([(5, now - Duration::from_millis(500))]);
+        assert!(reported_by_peers([at(r1, 1), at(r2, 2)].into_iter(), &up, grace).is_empty());
+        let later = now + Duration::from_millis(600);
+        let by = reported_by_peers([(1, later, r1), (2, later, r2)].into_iter(), &up, grace);
+        assert_eq!(by.len(), 1);
+    }
 }

@@ -12,6 +12,7 @@
 pub mod hot;
 pub mod identity;
 pub mod local;
+pub mod peerping;
 pub mod perf;
 pub mod primary;
 pub mod recovery;
@@ -153,6 +154,8 @@ pub struct Node {
     /// Recovery messages, served after client shard ops.
     recovery_q: Arc<WaitQueue<Incoming>>,
     pub recovery: recovery::Recovery,
+    /// Pings to the other nodes, for the heartbeat's failure reports.
+    pub peer_ping: peerping::PeerPing,
 }
 
 struct NodeDispatcher {
@@ -165,6 +168,7 @@ impl Dispatcher for NodeDispatcher {
         matches!(
             t,
             wire::MSG_CLIENT_OP
+                | wire::MSG_PEER_PING
                 | wire::MSG_SHARD_WRITE
                 | wire::MSG_SHARD_READ
                 | wire::MSG_SHARD_STAT
@@ -196,6 +200,10 @@ impl Dispatcher for NodeDispatcher {
         };
         match msg.msg_type() {
             wire::MSG_CLIENT_OP => node.enqueue_op(msg),
+            wire::MSG_PEER_PING => {
+                let epoch = node.epoch();
+                node.reply(&mut msg, Ok(wire::reply_ok(epoch, &[])));
+            }
             wire::MSG_SHARD_WRITE => node.shard_write(msg),
             wire::MSG_SHARD_READ
             | wire::MSG_SHARD_STAT
@@ -776,6 +784,7 @@ impl Node {
             inline_reads: self.hot.counters.inline_reads.load(Relaxed),
             msgr_iterations: msgr.total(|w| w.iterations),
             msgr_empty_iterations: msgr.total(|w| w.empty_iterations),
+            silent_peers: self.peer_ping.silent(self.heartbeat_period()),
             cpu_ns: hot::process_cpu_ns(),
             at_unix_ns: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -824,8 +833,13 @@ impl Node {
         Some(r)
     }
 
+    /// How often the node heartbeats to the monitors and pings its peers.
+    pub(crate) fn heartbeat_period(&self) -> Duration {
+        Duration::from_millis(self.cfg.heartbeat_ms.max(50))
+    }
+
     fn heartbeat_loop(self: Arc<Self>) {
-        let period = Duration::from_millis(self.cfg.heartbeat_ms.max(50));
+        let period = self.heartbeat_period();
         loop {
             self.monc.heartbeat(self.id, &self.stats());
             std::thread::sleep(period);
@@ -948,6 +962,7 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
         hot: hot::Hot::new(cfg.read_coalescing, cfg.hot_cache_bytes),
         recovery_q: Arc::new(WaitQueue::new()),
         recovery: recovery::Recovery::default(),
+        peer_ping: peerping::PeerPing::default(),
     });
     node.forget_marks_after_salvage();
     let _ = node.msgr.set(msgr.clone());
@@ -1006,6 +1021,11 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
     std::thread::Builder::new()
         .name("node-heartbeat".into())
         .spawn(move || n.heartbeat_loop())
+        .map_err(|e| Error::io("spawn", e))?;
+    let n = node.clone();
+    std::thread::Builder::new()
+        .name("node-peer-ping".into())
+        .spawn(move || n.peer_ping_loop())
         .map_err(|e| Error::io("spawn", e))?;
     for i in 0..recovery::RECOVERY_THREADS {
         let n = node.clone();

@@ -171,7 +171,7 @@ impl Node {
             driver::workload::peak_rss_kib(),
         );
         #[rustfmt::skip]
-        let rows: [(&'static str, Row); 36] = [
+        let rows: [(&'static str, Row); 39] = [
             ("client", ("read_ops", C, c.read_ops.load(Relaxed), "Client read ops run as primary")),
             ("client", ("write_ops", C, c.write_ops.load(Relaxed), "Client write ops run as primary")),
             ("client", ("read_bytes", C, c.read_bytes.load(Relaxed), "Bytes returned to clients")),
@@ -182,6 +182,9 @@ impl Node {
             ("node", ("stale_primary_refused", C, c.stale_primary_refused.load(Relaxed), "Shard ops refused from a primary that a newer one of the PG superseded")),
             ("node", ("stale_ops_refused", C, c.stale_ops_refused.load(Relaxed), "Client ops refused because they were sent before their PG's current interval (the client resends them)")),
             ("client", ("resends_answered", C, c.resends_answered.load(Relaxed), "Resent client mutations answered with the version they made the first time, not applied again")),
+            ("node", ("peer_pings_sent", C, self.peer_ping.sent.load(Relaxed), "Pings sent to other nodes (failure reports, node/peerping.rs)")),
+            ("node", ("peer_pings_answered", C, self.peer_ping.answered.load(Relaxed), "Pings other nodes answered")),
+            ("node", ("peers_silent", G, self.peer_ping.silent(self.heartbeat_period()).len() as u64, "Other nodes that have not answered a ping for two heartbeat periods or more (reported to the monitor)")),
             ("node", ("boot_gate_refused", C, c.boot_gate_refused.load(Relaxed), "Shard ops refused before this node registered, or while its map lagged its boot epoch")),
             ("node", ("shard_crcs_vouched", C, c.shard_crcs_vouched.load(Relaxed), "Shard writes whose listed chunk CRCs matched the verified frame CRC (recorded without summing the bytes)")),
             ("node", ("shard_crcs_dropped", C, c.shard_crcs_dropped.load(Relaxed), "Shard writes whose listed chunk CRCs did not describe the bytes (summed instead)")),

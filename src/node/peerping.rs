@@ -1,0 +1,172 @@
+//! Peer pings: the failure reports that let the monitor see an asymmetric partition.
+//!
+//! The monitor's heartbeats show only whether a node reaches the *monitor*. A node whose
+//! network to its peers is cut while its path to the monitor works stays up in the map, and
+//! every write of a PG it is a member of waits on its shard (writes need every up member).
+//! So each node pings every other node of the map once per heartbeat period on a connection
+//! of its own (`node-peer-ping` thread, `MSG_PEER_PING`, answered on the receiving messenger
+//! worker), and its heartbeat lists the peers it has had no answer from for two periods or
+//! more, with how long (`NodeStats::silent_peers`). The monitor marks a node down when at
+//! least two up nodes report it silent for the whole `down_grace`, and keeps it down (its own
+//! heartbeats notwithstanding) until fewer do — Ceph's failure reports with
+//! `mon_osd_min_down_reporters` = 2. One node cut off from everyone reports all of them,
+//! but each of those has one reporter only, so only the cut-off node goes down.
+//!
+//! A connection whose ping fails is closed and dialled afresh (on a thread of its own) at the
+//! next ping. Nodes the map marks down are pinged every [`DOWN_EVERY`] periods only (a dead
+//! node's refused connects are logged), but are pinged: that is how their reporters see them
+//! answer again, stop reporting them, and let the monitor mark them up. Nodes down and out
+//! hold no PGs and are neither pinged nor reported.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use messenger::{Connection, Identity, OutMessage};
+
+use super::Node;
+use crate::wire::{self, Enc};
+
+/// A node down in the map is pinged once per this many periods.
+const DOWN_EVERY: u64 = 8;
+/// Silence shorter than this many periods is not reported (one lost ping is no failure).
+const SILENT_PERIODS: u32 = 2;
+
+/// What the pings found out.
+#[derive(Default)]
+pub struct PeerPing {
+    /// Per peer: when pinging it began, or the last answer since.
+    last_heard: Mutex<HashMap<u32, Instant>>,
+    /// Pings sent and pings answered.
+    pub sent: AtomicU64,
+    pub answered: AtomicU64,
+}
+
+impl PeerPing {
+    /// The peers silent for at least [`SILENT_PERIODS`] periods, with how long (ms), for the
+    /// heartbeat.
+    pub fn silent(&self, period: Duration) -> Vec<(u32, u64)> {
+        let now = Instant::now();
+        let mut out: Vec<(u32, u64)> = self
+            .last_heard
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(id, t)| (*id, now.saturating_duration_since(*t)))
+            .filter(|(_, d)| *d >= period * SILENT_PERIODS)
+            .map(|(id, d)| (id, d.as_millis() as u64))
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    fn heard(&self, id: u32) {
+        self.answered.fetch_add(1, Relaxed);
+        self.last_heard.lock().unwrap().insert(id, Instant::now());
+    }
+}
+
+impl Node {
+    pub(super) fn peer_ping_loop(self: Arc<Self>) {
+        let period = self.heartbeat_period();
+        // A ping may take this long before it counts as unanswered.
+        let timeout = (period * 2).max(Duration::from_secs(1));
+        let mut conns: HashMap<u32, Connection> = HashMap::new();
+        // Connects run on threads of their own (one to an unreachable peer takes up to the
+        // messenger's connect timeout, which must not hold up the pings to the others).
+        let (dialed_tx, dialed) = crossbeam::channel::unbounded::<(u32, Option<Connection>)>();
+        let mut dialing: HashSet<u32> = HashSet::new();
+        for tick in 0u64.. {
+            let map = self.monc.map();
+            // Out and down: neither pinged nor reported (it holds no PGs).
+            let pinged =
+                |id: &u32| *id != self.id && map.nodes.get(id).is_some_and(|n| n.up || n.r#in);
+            for (id, c) in dialed.try_iter() {
+                dialing.remove(&id);
+                if let Some(c) = c {
+                    if let Some(old) = conns.insert(id, c) {
+                        old.close();
+                    }
+                }
+            }
+            conns.retain(|id, c| {
+                let keep = c.is_open()
+                    && pinged(id)
+                    && map.nodes.get(id).is_some_and(|n| n.addr == c.peer_addr());
+                if !keep {
+                    c.close();
+                }
+                keep
+            });
+            {
+                let now = Instant::now();
+                let mut heard = self.peer_ping.last_heard.lock().unwrap();
+                heard.retain(|id, _| pinged(id));
+                for id in map.nodes.keys().filter(|id| pinged(id)) {
+                    heard.entry(*id).or_insert(now);
+                }
+            }
+            for n in map.nodes.values().filter(|n| pinged(&n.id)) {
+                if !n.up && tick % DOWN_EVERY != 0 {
+                    continue;
+                }
+                let Some(conn) = conns.get(&n.id).cloned() else {
+                    if dialing.insert(n.id) {
+                        let (me, tx, id, addr) = (self.clone(), dialed_tx.clone(), n.id, n.addr);
+                        let spawned = std::thread::Builder::new()
+                            .name("node-peer-dial".into())
+                            .spawn(move || {
+                                let _ =
+                                    tx.send((id, me.msgr().connect(addr, Identity::Node(id)).ok()));
+                            });
+                        if spawned.is_err() {
+                            dialing.remove(&n.id);
+                        }
+                    }
+                    continue;
+                };
+                self.peer_ping.sent.fetch_add(1, Relaxed);
+                let (me, id, c) = (self.clone(), n.id, conn.clone());
+                conn.request_with(
+                    OutMessage::new(wire::MSG_PEER_PING, Enc::new(map.epoch).finish()),
+                    timeout,
+                    move |r| match r {
+                        Ok(_) => me.peer_ping.heard(id),
+                        // Dialled afresh at the next ping: a kept connection would redial a
+                        // dead node every backoff period, each refusal logged.
+                        Err(_) => c.close(),
+                    },
+                );
+            }
+            std::thread::sleep(period);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_peers_silent_for_two_periods_are_reported() {
+        let p = PeerPing::default();
+        let period = Duration::from_millis(100);
+        let now = Instant::now();
+        {
+            let mut h = p.last_heard.lock().unwrap();
+            h.insert(1, now);
+            h.insert(2, now - Duration::from_millis(150));
+            h.insert(3, now - Duration::from_millis(900));
+            h.insert(4, now - Duration::from_millis(250));
+        }
+        let s = p.silent(period);
+        assert_eq!(s.iter().map(|e| e.0).collect::<Vec<_>>(), vec![3, 4]);
+        assert!(s[0].1 >= 900 && s[1].1 >= 250 && s[1].1 < 900);
+        p.heard(3);
+        assert_eq!(
+            p.silent(period).iter().map(|e| e.0).collect::<Vec<_>>(),
+            vec![4]
+        );
+    }
+}
