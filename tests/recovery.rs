@@ -735,10 +735,11 @@ fn raw_append(
 }
 
 /// A resend that reaches a new primary — the first one died before its reply got out — is
-/// answered from the new primary's PG log, where the shard write of the first send named the
-/// request, and is not applied again. A new request id is a new op.
+/// recognised by the object: each shard keeps the request id of the write that made its
+/// version, so the new primary answers with that version instead of applying it again. A new
+/// request id is a new op.
 #[test]
-fn a_resend_to_a_new_primary_is_answered_from_its_pg_log() {
+fn a_resend_to_a_new_primary_is_recognised_by_the_object() {
     let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let h = cluster(4);
     let c = &h.client;
@@ -759,14 +760,13 @@ fn a_resend_to_a_new_primary_is_answered_from_its_pg_log() {
     m.shutdown();
 }
 
-/// A PG log entry can name a request whose write was never acknowledged: here only the
+/// A shard can carry the request id of a write that was never acknowledged: here only the
 /// future primary took its shard before the old primary died. The new primary rolls that
-/// write back when it resolves the object (its recovery pass, or the resend's own resolve,
-/// whichever comes first: the unit test `resends_are_answered_from_applies_and_from_log_
-/// entries_that_stand` covers the second order), so a resend of the request is applied
-/// once, not answered with the version of the write that was undone.
+/// write back when it resolves the object (its recovery pass, or the resend's own resolve),
+/// which drops the request id with it, so a resend of the request is applied once — not
+/// answered with the version of the write that was undone.
 #[test]
-fn a_resend_is_not_answered_from_a_log_entry_whose_write_was_rolled_back() {
+fn a_resend_is_not_answered_for_a_write_that_was_rolled_back() {
     use nvstore::node::local::{ReqId, ShardData, ShardMeta, ShardWrite, WriteKind, BASE_ANY};
 
     let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());

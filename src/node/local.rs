@@ -3,10 +3,10 @@
 //!
 //! Store keys (docs/format.md, "Cluster messages" → "Shard objects"):
 //! * `(pool, name, shard)` — shard data; xattr `nv.meta` = [`ShardMeta`], `nv.rb` = the
-//!   [`Rollback`] of the last write, `u.<name>` = user xattrs (every shard carries them all).
+//!   [`Rollback`] of the last write, `nv.req` = the [`ReqId`] of the write that made the
+//!   version (when it had one), `u.<name>` = user xattrs (every shard carries them all).
 //! * `(pool, name, shard | 0x80)` — rollback bytes too large for the xattr.
-//! * `(pool, "\0log" ‖ pg BE32 ‖ version BE64 ‖ name, 0xFE)` — per-PG log entry: empty, or
-//!   the [`ReqId`] of the client request the write carried out (13 bytes).
+//! * `(pool, "\0log" ‖ pg BE32 ‖ version BE64 ‖ name, 0xFE)` — per-PG log entry (empty).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -31,6 +31,8 @@ pub const SHARD_ROLLBACK_BIT: u8 = 0x80;
 pub const SHARD_LOG: u8 = 0xFE;
 const XATTR_META: &str = "nv.meta";
 const XATTR_RB: &str = "nv.rb";
+/// The [`ReqId`] of the write that made the shard's version (13 bytes), when it had one.
+const XATTR_REQ: &str = "nv.req";
 const USER_PREFIX: &str = "u.";
 /// `base_version` meaning "whatever the member has".
 pub const BASE_ANY: u64 = u64::MAX;
@@ -455,6 +457,8 @@ pub struct ShardState {
     /// The version the stored rollback record undoes (0: none).
     pub rollback_from: u64,
     pub xattrs: BTreeMap<String, Vec<u8>>,
+    /// The request whose write made `meta.version` (the `nv.req` xattr).
+    pub reqid: Option<ReqId>,
 }
 
 impl ShardState {
@@ -472,6 +476,7 @@ impl ShardState {
         for (k, v) in &self.xattrs {
             e.str(k).bytes(v);
         }
+        ReqId::encode(self.reqid, e);
     }
     pub fn decode(d: &mut Dec) -> Result<ShardState> {
         let meta = match d.u8()? {
@@ -488,6 +493,7 @@ impl ShardState {
             meta,
             rollback_from,
             xattrs,
+            reqid: ReqId::decode(d)?,
         })
     }
 }
@@ -637,10 +643,12 @@ impl Local {
             .get(XATTR_RB)
             .and_then(|b| Dec::new(b).u64().ok())
             .unwrap_or(0);
+        let reqid = all.get(XATTR_REQ).and_then(|b| ReqId::from_bytes(b));
         Ok(ShardState {
             meta: Some(meta),
             rollback_from,
             xattrs: user_xattrs(all),
+            reqid,
         })
     }
 
@@ -785,6 +793,7 @@ impl Local {
         } else {
             BTreeMap::new()
         };
+        let had_reqid = old_all.contains_key(XATTR_REQ);
         let old_user = user_xattrs(old_all);
         let restore = match (w.kind, exists) {
             (WriteKind::Meta, _) => Restore::Nothing,
@@ -865,6 +874,18 @@ impl Local {
         }
         t.set_xattr(key.clone(), XATTR_META, &meta_bytes);
         t.set_xattr(key.clone(), XATTR_RB, &rb_bytes);
+        // The request whose write makes this version (a whole-shard write replaces every
+        // xattr: nothing to remove then).
+        let reqid = w.reqid.map(ReqId::to_bytes);
+        match &reqid {
+            Some(r) => {
+                t.set_xattr(key.clone(), XATTR_REQ, r);
+            }
+            None if had_reqid && w.kind != WriteKind::Full => {
+                t.rm_xattr(key.clone(), XATTR_REQ);
+            }
+            None => {}
+        }
         if let Some(s) = &spill {
             t.write_full(rb_key, s);
         }
@@ -879,8 +900,7 @@ impl Local {
                 None => {}
             }
         }
-        let reqid = w.reqid.map(ReqId::to_bytes);
-        t.replace(log_key.clone(), reqid.as_ref().map_or(&[][..], |b| &b[..]));
+        t.replace(log_key.clone(), &[]);
         let mut logs = self.pg_logs.lock().unwrap();
         let log = logs
             .entry((w.pool, w.pg))
@@ -1006,11 +1026,15 @@ impl Local {
             .iter()
             .map(|(k, v)| (format!("{USER_PREFIX}{k}"), v))
             .collect();
-        let now_user = if cleared || rb.restore == Restore::Remove {
+        let now_all = if cleared || rb.restore == Restore::Remove {
             BTreeMap::new()
         } else {
-            user_xattrs(st.xattrs(&key)?)
+            st.xattrs(&key)?
         };
+        // The undone write's request id goes with it (the one before is not kept: a resend
+        // of that is then not recognised, never wrongly answered).
+        let had_reqid = now_all.contains_key(XATTR_REQ);
+        let now_user = user_xattrs(now_all);
         if rb.restore != Restore::Remove {
             match &prev_bytes {
                 Some(p) => {
@@ -1022,6 +1046,9 @@ impl Local {
             }
             if !cleared {
                 t.rm_xattr(key.clone(), XATTR_RB);
+            }
+            if had_reqid {
+                t.rm_xattr(key.clone(), XATTR_REQ);
             }
             for ((k, v), (plain, _)) in names.iter().zip(&rb.xattrs) {
                 match v {
@@ -1107,34 +1134,6 @@ impl Local {
         (out, trimmed)
     }
 
-    /// The entries of this node's log of PG (pool, pg) newer than version `after` that name
-    /// the client request they carried out: (version, object name, request id), oldest first.
-    /// Reads each such entry from the store (outside the log's lock); an entry trimmed
-    /// meanwhile, or unreadable, is left out.
-    pub fn logged_reqids(&self, pool: u64, pg: u32, after: u64) -> Vec<(u64, Vec<u8>, ReqId)> {
-        let st = self.store(pool, pg);
-        let keys: Vec<ObjectKey> = {
-            let mut logs = self.pg_logs.lock().unwrap();
-            logs.entry((pool, pg))
-                .or_insert_with(|| self.load_log(st, pool, pg))
-                .iter()
-                .filter(|k| log_version(k).is_some_and(|v| v > after))
-                .cloned()
-                .collect()
-        };
-        let mut out: Vec<(u64, Vec<u8>, ReqId)> = keys
-            .into_iter()
-            // The size is in the index: only entries that hold a request id are read.
-            .filter(|k| st.stat(k).is_ok_and(|s| s.size == ReqId::BYTES as u64))
-            .filter_map(|k| {
-                let r = ReqId::from_bytes(&st.read_vec(&k, 0, u64::MAX).ok()?)?;
-                Some((log_version(&k)?, k.name[16..].to_vec(), r))
-            })
-            .collect();
-        out.sort_by_key(|e| e.0);
-        out
-    }
-
     pub fn shard_count(&self) -> u64 {
         self.stores.iter().map(|s| s.object_count() as u64).sum()
     }
@@ -1178,6 +1177,10 @@ impl Local {
         t.set_xattr(key.clone(), XATTR_META, &meta_bytes);
         if let Some(rb) = &keep_rb {
             t.set_xattr(key.clone(), XATTR_RB, rb);
+        }
+        let reqid = w.reqid.map(ReqId::to_bytes);
+        if let Some(r) = &reqid {
+            t.set_xattr(key.clone(), XATTR_REQ, r);
         }
         for (k, v) in &user {
             t.set_xattr(key.clone(), k, v);
@@ -1634,11 +1637,11 @@ mod store_tests {
         assert!(reloaded.front().unwrap().name.ends_with(b"obj"));
     }
 
-    /// A write's request id travels in SHARD_WRITE and lands in its PG log entry, where
-    /// `logged_reqids` finds it (newer than a given version only); a rollback removes it with
-    /// the entry.
+    /// A write's request id travels in SHARD_WRITE and is kept with the shard (`stat`
+    /// reports it, and SHARD_STAT carries it): replaced by the next write's, dropped by a
+    /// write without one and by a rollback, restored by a repair that carries it.
     #[test]
-    fn request_ids_travel_with_shard_writes_into_the_pg_log() {
+    fn a_shard_keeps_the_request_id_of_the_write_that_made_its_version() {
         let (_d, l) = local();
         let rid = |n: u64| ReqId {
             who: Identity::Client(7),
@@ -1660,29 +1663,42 @@ mod store_tests {
         d.u64().unwrap();
         assert!(ShardWrite::decode(&mut d).is_err());
 
+        let stat = || {
+            let s = l.stat(1, 3, b"obj", 2).unwrap();
+            let mut e = Enc::default();
+            s.encode(&mut e);
+            assert_eq!(ShardState::decode(&mut Dec::new(&e.0)).unwrap(), s);
+            (s.meta.map(|m| m.version), s.reqid)
+        };
         l.apply(&w).unwrap();
-        l.apply(&full(6, b"abcd", &[])).unwrap();
-        let mut w7 = full(7, b"abcde", &[]);
-        w7.reqid = Some(ReqId {
+        assert_eq!(stat(), (Some(5), Some(rid(0xfeed))));
+        let mut w6 = full(6, b"abcd", &[]);
+        w6.reqid = Some(ReqId {
             who: Identity::Node(3),
             id: 1,
         });
+        l.apply(&w6).unwrap();
+        assert_eq!(stat(), (Some(6), w6.reqid));
+        // A range write without a request id: none recorded for version 7.
+        let mut w7 = full(7, b"Z", &[]);
+        w7.kind = WriteKind::Range;
+        w7.base_version = 6;
+        w7.offset = 1;
         l.apply(&w7).unwrap();
-        let got = l.logged_reqids(1, 3, 0);
-        assert_eq!(
-            got,
-            vec![
-                (5, b"obj".to_vec(), rid(0xfeed)),
-                (7, b"obj".to_vec(), w7.reqid.unwrap())
-            ]
-        );
-        assert_eq!(l.logged_reqids(1, 3, 5).len(), 1);
-        assert!(l.logged_reqids(1, 4, 0).is_empty());
-        l.rollback(1, 3, b"obj", 2, 7).unwrap();
-        assert_eq!(
-            l.logged_reqids(1, 3, 0),
-            vec![(5, b"obj".to_vec(), rid(0xfeed))]
-        );
+        assert_eq!(stat(), (Some(7), None));
+        let mut w8 = w7.clone();
+        w8.meta.version = 8;
+        w8.base_version = 7;
+        w8.reqid = Some(rid(8));
+        l.apply(&w8).unwrap();
+        assert_eq!(stat(), (Some(8), Some(rid(8))));
+        // Undone: version 7 again, and no request id (version 7's had none anyway).
+        l.rollback(1, 3, b"obj", 2, 8).unwrap();
+        assert_eq!(stat(), (Some(7), None));
+        let mut r = full(7, b"aZcd", &[]);
+        r.reqid = Some(rid(7));
+        l.repair(&r).unwrap();
+        assert_eq!(stat(), (Some(7), Some(rid(7))));
     }
 
     /// The non-blocking path writes exactly what the blocking one does (data, metadata,

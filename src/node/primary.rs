@@ -56,6 +56,9 @@ pub struct ObjState {
     /// Slots whose shard is at `version`.
     pub current: u64,
     pub xattrs: BTreeMap<String, Vec<u8>>,
+    /// The client request whose write made `version`, as its shards recorded it (`None`:
+    /// unknown, or a write without one).
+    pub reqid: Option<ReqId>,
 }
 
 impl ObjState {
@@ -81,93 +84,39 @@ pub struct PgCache {
     pub(super) last_version: u64,
     /// Newest version the up members were told they are complete through (their marks).
     pub(super) marked: u64,
-    /// Mutations applied in this PG, by request id, so a resend is not applied twice.
+    /// Mutations this node applied as the PG's primary, by request id (kept across member
+    /// changes: an op applied is applied, whoever led the PG since).
     applied: Applied,
 }
 
-/// Client mutations applied recently in a PG, (client, `ClientOp::reqid`) → the version they
-/// made, so a resend of one (its reply was lost, or the client gave up waiting, maybe on
-/// another primary) is answered with that version instead of being applied twice — Ceph's
-/// reqids in the PG log. Two sources:
-/// * **applied here**: this node applied the mutation as the PG's primary and every up member
-///   acknowledged it. Kept across member changes: an op applied is applied, whoever led the
-///   PG since.
-/// * **logged**: this node's own PG log names the request (`Local::logged_reqids`): it
-///   applied its shard of a mutation another primary made. Read from the log (once per
-///   primary tenure, the entries newer than any seen before) the first time the PG serves a
-///   mutation after its members or a node's state changed. A logged write may not have been
-///   acknowledged (the primary died first, and the new primary rolled it back), so a resend
-///   is answered from it only once the object is resolved and stands at exactly that
-///   version: versions are unique, so the object's state is that write. Otherwise the
-///   request is applied as new.
-///
-/// The newest [`APPLIED_PER_PG_MAX`] per PG, the length of the PG log.
+/// Client mutations this primary applied recently, (client, `ClientOp::reqid`) → the version
+/// they made, so a resend of one (its reply was lost, or the client gave up waiting) is
+/// answered with that version instead of being applied twice. The newest
+/// [`APPLIED_PER_PG_MAX`] per PG, in memory. A resend that reaches another primary is
+/// recognised by the object instead: each shard keeps the request id of the write that made
+/// its version (`ObjState::reqid`).
 #[derive(Default)]
 struct Applied {
-    done: HashMap<ReqId, Done>,
+    versions: HashMap<ReqId, u64>,
     order: VecDeque<ReqId>,
-    /// The log has been read since the PG's members or a node's state last changed.
-    seeded: bool,
-    /// Newest version read from the log or applied here since it was: older entries are
-    /// known already.
-    through: u64,
 }
 
-enum Done {
-    Applied(u64),
-    Logged { version: u64, name: Vec<u8> },
-}
-
-/// Request ids a PG's primary remembers (~60 bytes each, plus a logged entry's name):
-/// as many as the PG log holds.
-const APPLIED_PER_PG_MAX: usize = super::local::PG_LOG_ENTRIES_MAX;
+/// Request ids a PG's primary remembers (~40 bytes each).
+const APPLIED_PER_PG_MAX: usize = 256;
 
 impl Applied {
-    /// The version to answer a resend of `r` with: what it made if applied here; if only
-    /// logged, once the object is resolved (`resolved`: its name and version), the logged
-    /// version when the object stands at exactly that version (then it counts as applied).
-    fn answer(&mut self, r: ReqId, resolved: Option<(&[u8], u64)>) -> Option<u64> {
-        let v = match (self.done.get(&r)?, resolved) {
-            (Done::Applied(v), _) => return Some(*v),
-            (Done::Logged { version, name }, Some((n, v))) if *version == v && name == n => v,
-            _ => return None,
-        };
-        self.applied(r, v);
-        Some(v)
+    fn get(&self, r: ReqId) -> Option<u64> {
+        self.versions.get(&r).copied()
     }
 
-    fn insert(&mut self, r: ReqId, d: Done) {
-        if self.done.insert(r, d).is_none() {
+    fn insert(&mut self, r: ReqId, version: u64) {
+        if self.versions.insert(r, version).is_none() {
             self.order.push_back(r);
             if self.order.len() > APPLIED_PER_PG_MAX {
                 let old = self.order.pop_front().expect("non-empty");
-                self.done.remove(&old);
+                self.versions.remove(&old);
             }
         }
-    }
-
-    /// The PG's members or a node's state changed: another node may have led it meanwhile.
-    fn members_changed(&mut self) {
-        self.seeded = false;
-    }
-
-    /// Add the entries of this node's PG log that name a request (newer than any already
-    /// read), unless applied here.
-    fn seed(&mut self, logged: Vec<(u64, Vec<u8>, ReqId)>) {
-        for (version, name, r) in logged {
-            self.through = self.through.max(version);
-            if !matches!(self.done.get(&r), Some(Done::Applied(_))) {
-                self.insert(r, Done::Logged { version, name });
-            }
-        }
-        self.seeded = true;
-    }
-
-    fn applied(&mut self, r: ReqId, version: u64) {
-        if self.seeded {
-            self.through = self.through.max(version);
-        }
-        self.insert(r, Done::Applied(version));
     }
 }
 
@@ -320,24 +269,17 @@ impl Node {
             e.u16(Status::Ok as u16);
             ops::encode_results_parts(e, version, Vec::new())
         };
-        // A resend of a mutation already applied: its version, not a second apply.
-        if let Some(r) = src.reqid {
-            if !c.applied.seeded {
-                let logged = self
-                    .local
-                    .logged_reqids(ctx.pool.id, ctx.pg, c.applied.through);
-                c.applied.seed(logged);
-            }
-            if let Some(version) = c.applied.answer(r, None) {
-                return Ok(answer(version));
-            }
+        // A resend of a mutation this node applied: its version, not a second apply.
+        if let Some(version) = src.reqid.and_then(|r| c.applied.get(r)) {
+            return Ok(answer(version));
         }
-        self.refresh_cache(&ctx, &mut c);
         let st = self.resolve(&ctx, &mut c, op.name)?;
-        if let Some(r) = src.reqid {
-            if let Some(version) = c.applied.answer(r, Some((op.name, st.version))) {
-                return Ok(answer(version));
-            }
+        // A resend of the mutation that made the object's current version (applied by a
+        // primary before this one, which died or lost the PG before it replied): versions
+        // are unique, so the resolved state is that write's, and it stands.
+        if let Some(r) = src.reqid.filter(|r| st.reqid == Some(*r)) {
+            c.applied.insert(r, st.version);
+            return Ok(answer(st.version));
         }
         for o in &op.ops {
             match o {
@@ -398,7 +340,7 @@ impl Node {
             let reqid = src.reqid;
             let v = self.write(&ctx, &mut c, op.name, &st, m, src)?;
             if let Some(r) = reqid {
-                c.applied.applied(r, v);
+                c.applied.insert(r, v);
             }
             v
         };
@@ -424,7 +366,6 @@ impl Node {
             c.node_change_epoch = changed;
             c.objs.clear();
             c.complete_at = None;
-            c.applied.members_changed();
         }
     }
 
@@ -679,6 +620,8 @@ impl Node {
                     deleted: meta.deleted,
                     current: holders.iter().fold(0, |a, s| a | bit(*s)),
                     xattrs: first.xattrs.clone(),
+                    // One version, one write: any holder that recorded its request id.
+                    reqid: holders.iter().find_map(|h| states[*h].as_ref()?.reqid),
                 };
                 remember(c, name, &st);
                 return Ok(st);
@@ -1204,6 +1147,7 @@ impl Node {
             deleted,
             current: acked,
             xattrs: if deleted { BTreeMap::new() } else { xattrs },
+            reqid,
         };
         remember(c, name, &new);
         Ok(version)
@@ -2005,58 +1949,6 @@ mod tests {
     use super::*;
     use messenger::checksum::crc32c;
     use proptest::prelude::*;
-
-    /// A resend is answered at once when this node applied it; when only its PG log names
-    /// it, after the object is resolved and only if the object stands at the logged version
-    /// (a write rolled back since, or superseded, is not vouched for). Own applies and log
-    /// entries older than those seen are not read again; the window is bounded.
-    #[test]
-    fn resends_are_answered_from_applies_and_from_log_entries_that_stand() {
-        let rid = |id: u64| ReqId {
-            who: messenger::Identity::Client(1),
-            id,
-        };
-        let mut a = Applied::default();
-        assert!(!a.seeded);
-        a.seed(vec![
-            (10, b"x".to_vec(), rid(1)),
-            (12, b"y".to_vec(), rid(2)),
-        ]);
-        assert_eq!((a.seeded, a.through), (true, 12));
-        // Logged: not before the object is resolved, nor for another name or version.
-        assert_eq!(a.answer(rid(1), None), None);
-        assert_eq!(a.answer(rid(1), Some((b"y", 10))), None);
-        assert_eq!(a.answer(rid(1), Some((b"x", 11))), None);
-        assert_eq!(a.answer(rid(1), Some((b"x", 10))), Some(10));
-        // Vouched for once, it answers from then on without a resolve.
-        assert_eq!(a.answer(rid(1), None), Some(10));
-        assert_eq!(a.answer(rid(3), Some((b"x", 10))), None);
-        a.applied(rid(3), 20);
-        assert_eq!(a.answer(rid(3), None), Some(20));
-        assert_eq!(a.through, 20);
-        // A later seed keeps what was applied here.
-        a.members_changed();
-        a.seed(vec![
-            (20, b"z".to_vec(), rid(3)),
-            (25, b"w".to_vec(), rid(4)),
-        ]);
-        assert_eq!(a.answer(rid(3), None), Some(20));
-        assert_eq!(a.through, 25);
-        // An apply before the log was read does not move the mark past unread entries.
-        a.members_changed();
-        a.applied(rid(5), 40);
-        assert_eq!(a.through, 25);
-        for i in 0..APPLIED_PER_PG_MAX as u64 + 10 {
-            a.applied(rid(100 + i), 100 + i);
-        }
-        assert_eq!(a.done.len(), APPLIED_PER_PG_MAX);
-        assert_eq!(a.order.len(), APPLIED_PER_PG_MAX);
-        assert_eq!(
-            a.answer(rid(1), None),
-            None,
-            "the oldest fell out of the window"
-        );
-    }
 
     /// A member's reply of `n` bytes in chunks of `chunk` (the last one short), as parsed,
     /// clipped to `clip` bytes of meaning, asked for `len`.

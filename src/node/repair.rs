@@ -161,7 +161,8 @@ impl Node {
             meta,
             offset: 0,
             xattrs: xattrs.clone(),
-            reqid: None,
+            // The rebuilt shard records the write that made the version, as the others do.
+            reqid: st.reqid,
             data: ShardData::Flat(&data[&s]),
             chunk_crcs: Vec::new(),
             listed_crcs: Vec::new(),
