@@ -37,9 +37,9 @@ const USER_PREFIX: &str = "u.";
 /// `base_version` meaning "whatever the member has".
 pub const BASE_ANY: u64 = u64::MAX;
 
-/// The client request a write carries out: who sent it and its `ClientOp::reqid`. Members
-/// keep it in the write's PG log entry, so a node that later leads the PG recognises a
-/// resend of the request (see `PgCache::applied`).
+/// The client request a write carries out: who sent it and its `ClientOp::reqid`. Each shard
+/// keeps the one of the write that made its version (`nv.req`), so a node that later leads
+/// the PG recognises a resend of that write (`ObjState::reqid`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ReqId {
     pub who: Identity,
@@ -47,8 +47,8 @@ pub struct ReqId {
 }
 
 impl ReqId {
-    /// As a log entry holds it and SHARD_WRITE carries it: kind u8 (1 client, 2 node), who
-    /// u32, id u64.
+    /// As the `nv.req` xattr holds it and SHARD_WRITE carries it: kind u8 (1 client, 2 node),
+    /// who u32, id u64.
     const BYTES: usize = 13;
 
     fn to_bytes(self) -> [u8; Self::BYTES] {
@@ -298,8 +298,9 @@ pub struct ShardWrite<'a> {
     pub offset: u64,
     /// Full: the complete set; Range/Meta: changes (`None` removes).
     pub xattrs: Vec<(String, Option<Vec<u8>>)>,
-    /// The client request the write carries out, for the PG log entry (`None`: none, as
-    /// for recovery, repair and requests without an id).
+    /// The client request whose write made `meta.version`, kept with the shard (`nv.req`;
+    /// `None`: a request without one, or not known — a recovery or repair of an object
+    /// whose shards do not name one).
     pub reqid: Option<ReqId>,
     pub data: ShardData<'a>,
     /// (length, CRC-32C) of consecutive pieces of `data`, tiling it, known to describe it:
