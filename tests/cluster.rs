@@ -498,36 +498,8 @@ fn a_resent_append_with_the_same_request_id_is_applied_once() {
     let pool = c.create_pool("t", 2, 1, 4096, 8, None).unwrap();
     c.put(pool, b"log", b"start;").unwrap();
     c.put(pool, b"log2", b"start;").unwrap();
-    let map = c.map();
     let m = h.raw_messenger(Identity::Client(4343));
-    let append = |name: &[u8], reqid: u64| -> u64 {
-        let p = &map.pools[&pool];
-        let primary =
-            nvstore::placement::Acting::compute(&map, p, nvstore::placement::pg_of(p, name))
-                .primary
-                .unwrap();
-        let conn = m
-            .connect(map.nodes[&primary].addr, Identity::Node(primary))
-            .unwrap();
-        let op = ClientOp {
-            epoch: map.epoch,
-            pool,
-            name,
-            flags: 0,
-            upload_id: 0,
-            reqid,
-            ops: vec![SubOp::Append(b"entry;")],
-        }
-        .encode();
-        let r = conn
-            .request(
-                OutMessage::new(wire::MSG_CLIENT_OP, op),
-                Duration::from_secs(10),
-            )
-            .unwrap();
-        let (_, body) = wire::parse_reply_epoch(&r.payload);
-        nvstore::ops::decode_results(body.unwrap()).unwrap().0
-    };
+    let append = |name: &[u8], reqid: u64| h.raw_append(&m, pool, name, reqid).1;
     let v1 = append(b"log", 77);
     let v2 = append(b"log", 77);
     assert_eq!(v1, v2, "the resend reports the version the first send made");

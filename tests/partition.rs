@@ -10,7 +10,7 @@ mod common;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::{bytes, read_all, wait_recovered, wait_until, wait_up, Harness, WAIT};
+use common::{bytes, put_objects, read_all, wait_recovered, wait_until, wait_up, Harness, WAIT};
 use nvstore::cluster_cmd::LocalOptions;
 use nvstore::config::{write_toml, ClientConfig, MonitorConfig};
 use nvstore::placement::{pg_of, Acting};
@@ -105,17 +105,7 @@ fn a_partitioned_primary_is_replaced_then_caught_up_by_delta_when_healed() {
     let c = &h.client;
     // k + m = 8 nodes: every PG has every node, so every write meanwhile misses the cut one.
     let pool = c.create_pool("d", 6, 2, 4096, 16, None).unwrap();
-    let mut objects: Vec<(String, Vec<u8>)> = (0..12)
-        .map(|i| {
-            put(
-                c,
-                pool,
-                &format!("before-{i}"),
-                i,
-                [0, 1, 5000, 100_003][i as usize % 4],
-            )
-        })
-        .collect();
+    let mut objects = put_objects(c, pool, "before", 0, 12);
     // Every PG's first pass has run (the members carry their marks).
     wait_recovered(c, |_| true);
 
@@ -180,17 +170,7 @@ fn a_node_cut_off_from_its_peers_but_not_the_monitor_is_marked_down_on_their_rep
     let h = &t.h;
     let c = &h.client;
     let pool = c.create_pool("a", 6, 2, 4096, 16, None).unwrap();
-    let mut objects: Vec<(String, Vec<u8>)> = (0..8)
-        .map(|i| {
-            put(
-                c,
-                pool,
-                &format!("before-{i}"),
-                i,
-                [1, 5000, 100_003][i as usize % 3],
-            )
-        })
-        .collect();
+    let mut objects = put_objects(c, pool, "before", 0, 8);
     wait_recovered(c, |_| true);
     let map = c.map();
     let p = &map.pools[&pool];
@@ -485,17 +465,7 @@ fn a_node_cut_off_past_the_out_grace_is_marked_back_in_when_healed() {
     let c = &h.client;
     // 4 + 2 on 8 nodes: a PG has somewhere to go while a node is out.
     let pool = c.create_pool("d", 4, 2, 4096, 16, None).unwrap();
-    let mut objects: Vec<(String, Vec<u8>)> = (0..16)
-        .map(|i| {
-            put(
-                c,
-                pool,
-                &format!("before-{i}"),
-                100 + i,
-                1000 + 3001 * i as usize,
-            )
-        })
-        .collect();
+    let mut objects = put_objects(c, pool, "before", 100, 16);
     wait_recovered(c, |_| true);
     let victim = 5;
     let member = format!("node.{victim}");

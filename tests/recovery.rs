@@ -7,7 +7,9 @@ use std::process::Command;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::{bytes, read_all, wait_recovered, wait_until, wait_up, Harness, WAIT};
+use common::{
+    bytes, put_objects, read_all, size_of, wait_recovered, wait_until, wait_up, Harness, WAIT,
+};
 use nvstore::cluster_cmd::{render_status, LocalOptions};
 use nvstore::monitor::StatusReport;
 use nvstore::placement::{pg_of, Acting};
@@ -28,23 +30,6 @@ fn cluster(nodes: u32) -> Harness {
             ..LocalOptions::default()
         },
     )
-}
-
-/// Object sizes that cover empty, sub-stripe, multi-stripe and unaligned objects.
-fn size_of(i: usize) -> usize {
-    [0, 1, 5000, 40_000, 100_003, 300_000][i % 6]
-}
-
-/// Put objects `{prefix}-0` … `{prefix}-{n-1}` (bytes seeded `seed + i`, sizes
-/// [`size_of`]) into `pool`; returns them as (name, bytes).
-fn put_objects(c: &Client, pool: u64, prefix: &str, seed: u64, n: usize) -> Vec<(String, Vec<u8>)> {
-    let objects: Vec<(String, Vec<u8>)> = (0..n)
-        .map(|i| (format!("{prefix}-{i}"), bytes(seed + i as u64, size_of(i))))
-        .collect();
-    for (name, d) in &objects {
-        c.put(pool, name.as_bytes(), d).unwrap();
-    }
-    objects
 }
 
 /// Kill a node and mark it out: its shards are rebuilt on the PGs' new members (backfill),
@@ -695,45 +680,6 @@ fn survivors_stop_redialling_a_node_marked_down_and_reconnect_when_it_is_back() 
     read_all(c, pool, &objects);
 }
 
-/// Send a client append straight to the PG's primary in `c`'s current map, with request id
-/// `reqid`: (the primary, the version the reply names).
-fn raw_append(
-    h: &Harness,
-    m: &messenger::Messenger,
-    pool: u64,
-    name: &[u8],
-    reqid: u64,
-) -> (u32, u64) {
-    use nvstore::ops::{ClientOp, SubOp};
-    use nvstore::wire;
-    let _ = h.client.refresh_map();
-    let map = h.client.map();
-    let p = &map.pools[&pool];
-    let primary = Acting::compute(&map, p, pg_of(p, name)).primary.unwrap();
-    let conn = m
-        .connect(map.nodes[&primary].addr, messenger::Identity::Node(primary))
-        .unwrap();
-    let op = ClientOp {
-        epoch: map.epoch,
-        pool,
-        name,
-        flags: 0,
-        upload_id: 0,
-        reqid,
-        ops: vec![SubOp::Append(b"entry;")],
-    }
-    .encode();
-    let r = conn
-        .request(
-            messenger::OutMessage::new(wire::MSG_CLIENT_OP, op),
-            Duration::from_secs(30),
-        )
-        .unwrap();
-    let (_, body) = wire::parse_reply_epoch(&r.payload);
-    let version = nvstore::ops::decode_results(body.unwrap()).unwrap().0;
-    (primary, version)
-}
-
 /// A resend that reaches a new primary — the first one died before its reply got out — is
 /// recognised by the object: each shard keeps the request id of the write that made its
 /// version, so the new primary answers with that version instead of applying it again. A new
@@ -746,15 +692,15 @@ fn a_resend_to_a_new_primary_is_recognised_by_the_object() {
     let pool = c.create_pool("resend", 2, 2, 4096, 8, None).unwrap();
     c.put(pool, b"log", b"start;").unwrap();
     let m = h.raw_messenger(messenger::Identity::Client(4343));
-    let (first, v1) = raw_append(&h, &m, pool, b"log", 77);
+    let (first, v1) = h.raw_append(&m, pool, b"log", 77);
     h.kill_nodes(&[first]);
     wait_up(c, first, false);
-    let (second, v2) = raw_append(&h, &m, pool, b"log", 77);
+    let (second, v2) = h.raw_append(&m, pool, b"log", 77);
     assert_ne!(second, first, "the PG has a new primary");
     assert_eq!(v2, v1, "the resend reports the version the first send made");
     assert_eq!(c.get(pool, b"log").unwrap(), b"start;entry;");
     assert_eq!(c.stat(pool, b"log").unwrap().version, v1);
-    let (_, v3) = raw_append(&h, &m, pool, b"log", 78);
+    let (_, v3) = h.raw_append(&m, pool, b"log", 78);
     assert!(v3 > v1);
     assert_eq!(c.get(pool, b"log").unwrap(), b"start;entry;entry;");
     m.shutdown();
@@ -826,7 +772,7 @@ fn a_resend_is_not_answered_for_a_write_that_was_rolled_back() {
     h.kill_nodes(&[primary]);
     wait_up(c, primary, false);
     let m = h.raw_messenger(client);
-    let (leader, v) = raw_append(&h, &m, pool, b"log", 99);
+    let (leader, v) = h.raw_append(&m, pool, b"log", 99);
     assert_eq!(leader, next);
     assert_ne!(
         v, written,

@@ -136,3 +136,70 @@ impl Harness {
         }
     }
 }
+
+/// Object sizes that cover empty, sub-stripe, multi-stripe and unaligned objects.
+pub fn size_of(i: usize) -> usize {
+    [0, 1, 5000, 40_000, 100_003, 300_000][i % 6]
+}
+
+/// Put objects `{prefix}-0` … `{prefix}-{n-1}` (bytes seeded `seed + i`, sizes
+/// [`size_of`]) into `pool`; returns them as (name, bytes).
+pub fn put_objects(
+    c: &Client,
+    pool: u64,
+    prefix: &str,
+    seed: u64,
+    n: usize,
+) -> Vec<(String, Vec<u8>)> {
+    let objects: Vec<(String, Vec<u8>)> = (0..n)
+        .map(|i| (format!("{prefix}-{i}"), bytes(seed + i as u64, size_of(i))))
+        .collect();
+    for (name, d) in &objects {
+        c.put(pool, name.as_bytes(), d)
+            .unwrap_or_else(|e| panic!("put {name}: {e}"));
+    }
+    objects
+}
+
+impl Harness {
+    /// Send a client append of `entry;` straight to the PG's primary in the client's
+    /// current map, as `m` (a [`Harness::raw_messenger`]), with request id `reqid`: (the
+    /// primary, the version its reply names).
+    pub fn raw_append(
+        &self,
+        m: &messenger::Messenger,
+        pool: u64,
+        name: &[u8],
+        reqid: u64,
+    ) -> (u32, u64) {
+        use nvstore::ops::{ClientOp, SubOp};
+        use nvstore::placement::{pg_of, Acting};
+        use nvstore::wire;
+        let _ = self.client.refresh_map();
+        let map = self.client.map();
+        let p = &map.pools[&pool];
+        let primary = Acting::compute(&map, p, pg_of(p, name)).primary.unwrap();
+        let conn = m
+            .connect(map.nodes[&primary].addr, messenger::Identity::Node(primary))
+            .unwrap();
+        let op = ClientOp {
+            epoch: map.epoch,
+            pool,
+            name,
+            flags: 0,
+            upload_id: 0,
+            reqid,
+            ops: vec![SubOp::Append(b"entry;")],
+        }
+        .encode();
+        let r = conn
+            .request(
+                messenger::OutMessage::new(wire::MSG_CLIENT_OP, op),
+                Duration::from_secs(30),
+            )
+            .unwrap();
+        let (_, body) = wire::parse_reply_epoch(&r.payload);
+        let version = nvstore::ops::decode_results(body.unwrap()).unwrap().0;
+        (primary, version)
+    }
+}
