@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use common::{bytes, put_objects, read_all, wait_recovered, wait_until, wait_up, Harness, WAIT};
 use nvstore::cluster_cmd::LocalOptions;
 use nvstore::config::{write_toml, ClientConfig, MonitorConfig};
+use nvstore::monitor::StatusReport;
 use nvstore::placement::{pg_of, Acting};
 use nvstore::Client;
 
@@ -90,6 +91,72 @@ fn put(c: &Client, pool: u64, name: &str, seed: u64, len: usize) -> (String, Vec
     (name.to_string(), d)
 }
 
+/// An outage on 8 nodes: a 6 + 2 pool (every PG has every node, so every write while a node
+/// is away misses its shard) holding `n` objects, every PG's first recovery pass done (the
+/// members carry their marks); the victim is the primary of `before-1`.
+struct Outage {
+    pool: u64,
+    objects: Vec<(String, Vec<u8>)>,
+    victim: u32,
+    member: String,
+}
+
+impl Outage {
+    fn new(c: &Client, n: usize) -> Outage {
+        let pool = c.create_pool("d", 6, 2, 4096, 16, None).unwrap();
+        let objects = put_objects(c, pool, "before", 0, n);
+        wait_recovered(c, |_| true);
+        let map = c.map();
+        let p = &map.pools[&pool];
+        let victim = Acting::compute(&map, p, pg_of(p, b"before-1"))
+            .primary
+            .unwrap();
+        Outage {
+            pool,
+            objects,
+            victim,
+            member: format!("node.{victim}"),
+        }
+    }
+
+    /// With the victim away: `missed` new objects, then everything reads back.
+    fn write_meanwhile(&mut self, h: &Harness, missed: u64) {
+        let c = &h.client;
+        for i in 0..missed {
+            let name = format!("meanwhile-{i}");
+            let len = 3000 + 7919 * i as usize;
+            self.objects.push(put(c, self.pool, &name, 2000 + i, len));
+        }
+        read_all(c, self.pool, &self.objects);
+        assert!(
+            h.lc.is_running(&self.member),
+            "{} exited while away",
+            self.member
+        );
+    }
+
+    /// The victim's network is back: it is marked up and caught up by delta from the PG
+    /// logs (at least `caught_up` objects, no backfill, no failure) without a restart; then
+    /// two other nodes die and every object reads back byte-exact — six nodes of eight with
+    /// k = 6, so that needs the victim's shards. Returns the recovery status.
+    fn caught_up_then_needed(&self, h: &Harness, caught_up: u64) -> StatusReport {
+        let c = &h.client;
+        wait_up(c, self.victim, true);
+        let s = wait_recovered(c, |s| s.recovery.delta_objects >= caught_up);
+        assert_eq!(s.recovery.backfill_objects, 0, "{:?}", s.recovery);
+        assert_eq!(s.recovery.failures, 0, "{:?}", s.recovery);
+        assert!(
+            h.lc.is_running(&self.member),
+            "{} restarted instead of rejoining",
+            self.member
+        );
+        let others: Vec<u32> = (1..=8).filter(|&n| n != self.victim).take(2).collect();
+        h.kill_nodes(&others);
+        read_all(c, self.pool, &self.objects);
+        s
+    }
+}
+
 /// A primary whose network is cut (its process running on, its clients' and peers'
 /// connections hanging) is marked down; a write to an object it led completes through the
 /// next primary, new objects are written with its shard missing, and everything reads back
@@ -103,58 +170,22 @@ fn a_partitioned_primary_is_replaced_then_caught_up_by_delta_when_healed() {
     };
     let h = &t.h;
     let c = &h.client;
-    // k + m = 8 nodes: every PG has every node, so every write meanwhile misses the cut one.
-    let pool = c.create_pool("d", 6, 2, 4096, 16, None).unwrap();
-    let mut objects = put_objects(c, pool, "before", 0, 12);
-    // Every PG's first pass has run (the members carry their marks).
-    wait_recovered(c, |_| true);
-
-    let map = c.map();
-    let p = &map.pools[&pool];
-    let victim = Acting::compute(&map, p, pg_of(p, b"before-1"))
-        .primary
-        .unwrap();
-    let member = format!("node.{victim}");
-    h.lc.set_connected(&member, false).unwrap();
-
+    let mut o = Outage::new(c, 12);
+    h.lc.set_connected(&o.member, false).unwrap();
     // The client's first try goes to the cut primary and hangs; it must end up at the next
     // one once the monitor marks the victim down.
-    objects[1] = put(c, pool, "before-1", 1001, 70_000);
+    o.objects[1] = put(c, o.pool, "before-1", 1001, 70_000);
     assert!(
-        !c.map().nodes[&victim].up,
-        "the overwrite completed while {member} was still up in the client's map"
+        !c.map().nodes[&o.victim].up,
+        "the overwrite completed while {} was still up in the client's map",
+        o.member
     );
     let missed = 10;
-    for i in 0..missed {
-        objects.push(put(
-            c,
-            pool,
-            &format!("meanwhile-{i}"),
-            2000 + i,
-            3000 + 7919 * i as usize,
-        ));
-    }
-    read_all(c, pool, &objects);
-    assert!(h.lc.is_running(&member), "{member} exited while cut off");
-
-    h.lc.set_connected(&member, true).unwrap();
-    wait_up(c, victim, true);
-    // The objects written meanwhile, and the overwrite.
-    let caught_up = missed + 1;
-    let s = wait_recovered(c, |s| s.recovery.delta_objects >= caught_up);
-    assert_eq!(s.recovery.delta_objects, caught_up, "{:?}", s.recovery);
-    assert_eq!(s.recovery.backfill_objects, 0, "{:?}", s.recovery);
-    assert_eq!(s.recovery.failures, 0, "{:?}", s.recovery);
-    assert!(
-        h.lc.is_running(&member),
-        "{member} restarted instead of rejoining"
-    );
-
-    // Six nodes left of eight, with k = 6: every object needs every survivor's shard,
-    // the healed node's included.
-    let others: Vec<u32> = (1..=8).filter(|&n| n != victim).take(2).collect();
-    h.kill_nodes(&others);
-    read_all(c, pool, &objects);
+    o.write_meanwhile(h, missed);
+    h.lc.set_connected(&o.member, true).unwrap();
+    // The objects written meanwhile, and the overwrite: exactly those.
+    let s = o.caught_up_then_needed(h, missed + 1);
+    assert_eq!(s.recovery.delta_objects, missed + 1, "{:?}", s.recovery);
 }
 
 /// An asymmetric partition: a node loses its paths to every other node but still reaches the
@@ -169,57 +200,30 @@ fn a_node_cut_off_from_its_peers_but_not_the_monitor_is_marked_down_on_their_rep
     };
     let h = &t.h;
     let c = &h.client;
-    let pool = c.create_pool("a", 6, 2, 4096, 16, None).unwrap();
-    let mut objects = put_objects(c, pool, "before", 0, 8);
-    wait_recovered(c, |_| true);
-    let map = c.map();
-    let p = &map.pools[&pool];
-    let victim = Acting::compute(&map, p, pg_of(p, b"before-1"))
-        .primary
-        .unwrap();
-    let member = format!("node.{victim}");
-    let others: Vec<u32> = (1..=8).filter(|&n| n != victim).collect();
-    for o in &others {
-        h.lc.set_link(&member, &format!("node.{o}"), false).unwrap();
+    let mut o = Outage::new(c, 8);
+    let others: Vec<u32> = (1..=8).filter(|&n| n != o.victim).collect();
+    for n in &others {
+        h.lc.set_link(&o.member, &format!("node.{n}"), false)
+            .unwrap();
     }
-    wait_up(c, victim, false);
-    // Written meanwhile: every PG has every node, so each misses the victim's shard (the
-    // first goes to the victim as its primary, which cannot reach its members).
-    objects[1] = put(c, pool, "before-1", 1001, 70_000);
+    wait_up(c, o.victim, false);
+    o.objects[1] = put(c, o.pool, "before-1", 1001, 70_000);
     let missed = 6;
-    for i in 0..missed {
-        objects.push(put(
-            c,
-            pool,
-            &format!("meanwhile-{i}"),
-            2000 + i,
-            3000 + 7919 * i as usize,
-        ));
-    }
-    read_all(c, pool, &objects);
+    o.write_meanwhile(h, missed);
     let map = c.map();
-    assert!(!map.nodes[&victim].up);
-    for o in &others {
+    for n in &others {
         assert!(
-            map.nodes[o].up,
-            "node {o} was marked down on the cut-off node's reports"
+            map.nodes[n].up,
+            "node {n} was marked down on the cut-off node's reports"
         );
     }
-    assert!(h.lc.is_running(&member), "{member} exited while cut off");
     assert!(counter(c, others[0], "node", "peers_silent") >= 1);
-
-    for o in &others {
-        h.lc.set_link(&member, &format!("node.{o}"), true).unwrap();
+    for n in &others {
+        h.lc.set_link(&o.member, &format!("node.{n}"), true)
+            .unwrap();
     }
-    wait_up(c, victim, true);
     // The objects written meanwhile, and the overwrite.
-    let caught_up = missed + 1;
-    let s = wait_recovered(c, |s| s.recovery.delta_objects >= caught_up);
-    assert_eq!(s.recovery.backfill_objects, 0, "{:?}", s.recovery);
-    assert_eq!(s.recovery.failures, 0, "{:?}", s.recovery);
-    // Six nodes left of eight, with k = 6: every object needs the healed node's shard.
-    h.kill_nodes(&others[..2]);
-    read_all(c, pool, &objects);
+    o.caught_up_then_needed(h, missed + 1);
 }
 
 /// The monitor leader's network is cut: the two others elect a leader and the map stays
