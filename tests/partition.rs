@@ -226,6 +226,43 @@ fn a_node_cut_off_from_its_peers_but_not_the_monitor_is_marked_down_on_their_rep
     o.caught_up_then_needed(h, missed + 1);
 }
 
+/// One broken path between two nodes (each still reaches everyone else): each is reported by
+/// one node only, so neither is marked down (Ceph's two-reporter rule likewise), but health
+/// names the path while it is broken, and clears once it is back.
+#[test]
+fn a_single_broken_path_shows_in_health_and_marks_nobody_down() {
+    let Some(t) = setup(4, 1) else {
+        return;
+    };
+    let h = &t.h;
+    let c = &h.client;
+    h.lc.set_link("node.1", "node.2", false).unwrap();
+    let named = |s: &StatusReport| {
+        s.health_detail
+            .iter()
+            .any(|l| l.contains("node 1 has had no answer from up node(s) [2]"))
+            && s.health_detail
+                .iter()
+                .any(|l| l.contains("node 2 has had no answer from up node(s) [1]"))
+    };
+    wait_until("health to name the broken path", || {
+        c.status().is_ok_and(|s| named(&s))
+    });
+    // Well past the grace (1.5 s): still nobody down.
+    std::thread::sleep(Duration::from_secs(2));
+    let s = c.status().unwrap();
+    assert!(named(&s), "{:?}", s.health_detail);
+    assert_eq!(s.nodes_up, 4, "{:?}", s.health_detail);
+    h.lc.set_link("node.1", "node.2", true).unwrap();
+    wait_until("the warning to clear", || {
+        c.status().is_ok_and(|s| {
+            !s.health_detail
+                .iter()
+                .any(|l| l.contains("has had no answer"))
+        })
+    });
+}
+
 /// The monitor leader's network is cut: the two others elect a leader and the map stays
 /// served and writable (a new pool, a node marked down) for clients and nodes. Healed, the
 /// old leader rejoins as a follower and serves the newest map, including what was decided

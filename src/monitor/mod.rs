@@ -493,6 +493,29 @@ impl Monitor {
         })
     }
 
+    /// "node X has had no answer from node(s) [..] for N s" for each up node whose pings of
+    /// up peers have gone unanswered for the down grace: the peers' failure reports that did
+    /// not (yet) get a node marked down — one broken path between two nodes (one reporter
+    /// each) stays here, and writes of the PGs holding both wait on it.
+    fn unreachable_details(&self, map: &ClusterMap) -> Vec<String> {
+        let grace = self.cfg.down_grace();
+        self.node_details(map, |id, s| {
+            let silent: Vec<(u32, u64)> = s
+                .silent_peers
+                .iter()
+                .copied()
+                .filter(|(n, ms)| map.is_up(*n) && Duration::from_millis(*ms) >= grace)
+                .collect();
+            let longest = silent.iter().map(|e| e.1).max()?;
+            let peers: Vec<u32> = silent.iter().map(|e| e.0).collect();
+            Some(format!(
+                "node {id} has had no answer from up node(s) {peers:?} for up to {:.1} s \
+                 (network path between them?)",
+                longest as f64 / 1000.0
+            ))
+        })
+    }
+
     /// "node X opened its store past N damaged place(s) …" for each up node whose stores
     /// did at its last start: the device rotted, which an operator should hear of even
     /// though the cluster repairs the shards. Clears when the node restarts clean.
@@ -557,6 +580,7 @@ impl Monitor {
         }
         detail.extend(self.slow_op_details(&map));
         detail.extend(self.salvage_details(&map));
+        detail.extend(self.unreachable_details(&map));
         let health = if pg_states.contains_key("down") {
             "HEALTH_ERR"
         } else if detail.is_empty() {
