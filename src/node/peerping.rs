@@ -6,7 +6,8 @@
 //! So each node pings every other node of the map once per heartbeat period on a connection
 //! of its own (`node-peer-ping` thread, `MSG_PEER_PING`, answered on the receiving messenger
 //! worker), and its heartbeat lists the peers it has had no answer from for two periods or
-//! more, with how long (`NodeStats::silent_peers`). The monitor marks a node down when at
+//! more, with how long (`NodeStats::silent_peers`); a peer's silence counts from its last
+//! answer, or from when this node saw it come up since (a peer just back was not pinged yet). The monitor marks a node down when at
 //! least two up nodes report it silent for the whole `down_grace`, and keeps it down (its own
 //! heartbeats notwithstanding) until fewer do — Ceph's failure reports with
 //! `mon_osd_min_down_reporters` = 2. One node cut off from everyone reports all of them,
@@ -77,6 +78,7 @@ impl Node {
         // messenger's connect timeout, which must not hold up the pings to the others).
         let (dialed_tx, dialed) = crossbeam::channel::unbounded::<(u32, Option<Connection>)>();
         let mut dialing: HashSet<u32> = HashSet::new();
+        let mut was_up: HashSet<u32> = HashSet::new();
         for tick in 0u64.. {
             let map = self.monc.map();
             // Out and down: neither pinged nor reported (it holds no PGs).
@@ -100,12 +102,19 @@ impl Node {
                 keep
             });
             {
+                // A peer's silence counts from when it was last heard, or from when this
+                // node first saw it up since then (a peer just back has not been pinged).
                 let now = Instant::now();
                 let mut heard = self.peer_ping.last_heard.lock().unwrap();
                 heard.retain(|id, _| pinged(id));
-                for id in map.nodes.keys().filter(|id| pinged(id)) {
-                    heard.entry(*id).or_insert(now);
+                for n in map.nodes.values().filter(|n| pinged(&n.id)) {
+                    let came_up = n.up && !was_up.contains(&n.id);
+                    let t = heard.entry(n.id).or_insert(now);
+                    if came_up {
+                        *t = (*t).max(now);
+                    }
                 }
+                was_up = map.nodes.values().filter(|n| n.up).map(|n| n.id).collect();
             }
             for n in map.nodes.values().filter(|n| pinged(&n.id)) {
                 if !n.up && tick % DOWN_EVERY != 0 {
