@@ -7,11 +7,12 @@
 //! of its own (`node-peer-ping` thread, `MSG_PEER_PING`, answered on the receiving messenger
 //! worker), and its heartbeat lists the peers it has had no answer from for two periods or
 //! more, with how long (`NodeStats::silent_peers`); a peer's silence counts from its last
-//! answer, or from when this node saw it come up since (a peer just back was not pinged yet). The monitor marks a node down when at
-//! least two up nodes report it silent for the whole `down_grace`, and keeps it down (its own
-//! heartbeats notwithstanding) until fewer do — Ceph's failure reports with
-//! `mon_osd_min_down_reporters` = 2. One node cut off from everyone reports all of them,
-//! but each of those has one reporter only, so only the cut-off node goes down.
+//! answer, or from when this node saw it come up since (a peer just back was not pinged
+//! yet). The monitor marks a node down when at least two up nodes report it silent for the
+//! whole `down_grace`, and keeps it down (its own heartbeats notwithstanding) until fewer
+//! do — Ceph's failure reports with `mon_osd_min_down_reporters` = 2. One node cut off from
+//! everyone reports all of them, but each of those has one reporter only, so only the
+//! cut-off node goes down; a silent up peer also shows in `nvstore status`.
 //!
 //! A connection whose ping fails is closed and dialled afresh (on a thread of its own) at the
 //! next ping. Nodes the map marks down are pinged every [`DOWN_EVERY`] periods only (a dead
@@ -37,7 +38,7 @@ const SILENT_PERIODS: u32 = 2;
 /// What the pings found out.
 #[derive(Default)]
 pub struct PeerPing {
-    /// Per peer: when pinging it began, or the last answer since.
+    /// Per peer: its last answer, or when pinging it began or it came up, if later.
     last_heard: Mutex<HashMap<u32, Instant>>,
     /// Pings sent and pings answered.
     pub sent: AtomicU64,
