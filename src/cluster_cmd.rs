@@ -679,30 +679,34 @@ pub fn run_cluster(cmd: ClusterCommand) -> CliResult {
             Ok(ExitCode::SUCCESS)
         }
         ClusterCommand::Cut { dir, member, from } => {
-            let lc = LocalCluster::new(&dir, &exe);
-            if from.is_empty() {
-                lc.set_connected(&member, false)?;
-                println!("{member}: network cut (its process runs on; `cluster heal` restores it)");
-            }
-            for other in &from {
-                lc.set_link(&member, other, false)?;
-                println!("{member} <-> {other}: path cut (both reach everyone else)");
-            }
-            Ok(ExitCode::SUCCESS)
+            cut_or_heal(&LocalCluster::new(&dir, &exe), &member, &from, false)
         }
         ClusterCommand::Heal { dir, member, from } => {
-            let lc = LocalCluster::new(&dir, &exe);
-            if from.is_empty() {
-                lc.set_connected(&member, true)?;
-                println!("{member}: network restored");
-            }
-            for other in &from {
-                lc.set_link(&member, other, true)?;
-                println!("{member} <-> {other}: path restored");
-            }
-            Ok(ExitCode::SUCCESS)
+            cut_or_heal(&LocalCluster::new(&dir, &exe), &member, &from, true)
         }
     }
+}
+
+/// `cluster cut|heal`: the member's whole network, or with `from` only its paths to those
+/// members.
+fn cut_or_heal(lc: &LocalCluster, member: &str, from: &[String], connected: bool) -> CliResult {
+    if from.is_empty() {
+        lc.set_connected(member, connected)?;
+        match connected {
+            false => {
+                println!("{member}: network cut (its process runs on; `cluster heal` restores it)")
+            }
+            true => println!("{member}: network restored"),
+        }
+    }
+    for other in from {
+        lc.set_link(member, other, connected)?;
+        match connected {
+            false => println!("{member} <-> {other}: path cut (both reach everyone else)"),
+            true => println!("{member} <-> {other}: path restored"),
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 pub fn run_pool(cmd: PoolCommand) -> CliResult {

@@ -354,16 +354,14 @@ impl Monitor {
                         *e = (n.up_from, now);
                     }
                 }
-                let since: HashMap<u32, Instant> =
-                    up_since.iter().map(|(id, (_, t))| (*id, *t)).collect();
-                drop(up_since);
                 let reported = reported_by_peers(
                     seen.iter()
                         .filter(|(id, s)| map.is_up(**id) && now.duration_since(s.at) < grace)
                         .map(|(id, s)| (*id, s.at, &s.stats.silent_peers[..])),
-                    &since,
+                    |id| up_since.get(&id).map(|e| e.1),
                     grace,
                 );
+                drop(up_since);
                 for n in map.nodes.values() {
                     // A node new to this leader gets a full grace period.
                     let last = Some(
@@ -801,15 +799,13 @@ pub const MIN_DOWN_REPORTERS: usize = 2;
 /// not been pinged yet, and the reports sent before it did still call it silent.
 fn reported_by_peers<'a>(
     reports: impl Iterator<Item = (u32, Instant, &'a [(u32, u64)])>,
-    up_since: &HashMap<u32, Instant>,
+    up_since: impl Fn(u32) -> Option<Instant>,
     grace: Duration,
 ) -> BTreeMap<u32, Vec<u32>> {
     let mut by: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
     for (reporter, at, silent) in reports {
         for &(node, ms) in silent {
-            let up_long = up_since
-                .get(&node)
-                .is_none_or(|t| at.saturating_duration_since(*t) >= grace);
+            let up_long = up_since(node).is_none_or(|t| at.saturating_duration_since(t) >= grace);
             if node != reporter && Duration::from_millis(ms) >= grace && up_long {
                 by.entry(node).or_default().push(reporter);
             }
@@ -840,28 +836,27 @@ mod tests {
         let r3: &[(u32, u64)] = &[(5, 400)];
         let now = Instant::now();
         let at = |r: &'static [(u32, u64)], id: u32| (id, now, r);
-        let down = HashMap::new();
+        let down = |_: u32| None;
         let by = reported_by_peers(
             [at(r5, 5), at(r1, 1), at(r2, 2), at(r3, 3), at(&[], 4)].into_iter(),
-            &down,
+            down,
             grace,
         );
         assert_eq!(by.into_iter().collect::<Vec<_>>(), vec![(5, vec![1, 2])]);
         // One reporter, or reporters silent for less than the grace: nobody.
-        assert!(reported_by_peers([at(r1, 1), at(r3, 3)].into_iter(), &down, grace).is_empty());
+        assert!(reported_by_peers([at(r1, 1), at(r3, 3)].into_iter(), down, grace).is_empty());
         // A node does not report itself; one reporter counted once.
         let twice: &[(u32, u64)] = &[(5, 2000), (5, 2000)];
         let own: &[(u32, u64)] = &[(1, 2000)];
         assert!(
-            reported_by_peers([(1, now, twice), (1, now, own)].into_iter(), &down, grace)
-                .is_empty()
+            reported_by_peers([(1, now, twice), (1, now, own)].into_iter(), down, grace).is_empty()
         );
         // Node 5 came up 0.5 s before the reports: they do not count yet; after the grace
         // they do.
-        let up = HashMap::from([(5, now - Duration::from_millis(500))]);
-        assert!(reported_by_peers([at(r1, 1), at(r2, 2)].into_iter(), &up, grace).is_empty());
+        let up = |n: u32| (n == 5).then(|| now - Duration::from_millis(500));
+        assert!(reported_by_peers([at(r1, 1), at(r2, 2)].into_iter(), up, grace).is_empty());
         let later = now + Duration::from_millis(600);
-        let by = reported_by_peers([(1, later, r1), (2, later, r2)].into_iter(), &up, grace);
+        let by = reported_by_peers([(1, later, r1), (2, later, r2)].into_iter(), up, grace);
         assert_eq!(by.len(), 1);
     }
 }
