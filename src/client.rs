@@ -9,11 +9,12 @@
 //! resends on map changes the same way).
 //!
 //! Retries resend the request with the same request id (`ClientOp::reqid`): the primary that
-//! applied it answers with the version it made instead of applying it again. That memory is
-//! the applying node's (in memory, per PG): a resend that reaches another primary (the first
-//! one died or was marked down after applying) may still apply twice — harmless for
-//! write_full/write/remove/xattrs, not for append. Staged puts (> 16 MiB) and ops with reads
-//! carry no request id.
+//! applied it answers with the version it made instead of applying it again, and so does a
+//! new primary (the first died or was marked down after applying) while the object stands at
+//! that write's version — its shards record the request id of the write that made it. A
+//! resend that reaches a new primary after another write to the object may still apply
+//! twice — harmless for write_full/write/remove/xattrs, not for append. Staged puts
+//! (> 16 MiB) and ops with reads carry no request id.
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
