@@ -10,11 +10,11 @@
 //!
 //! Retries resend the request with the same request id (`ClientOp::reqid`): the primary that
 //! applied it answers with the version it made instead of applying it again, and so does a
-//! new primary (the first died or was marked down after applying) while the object stands at
-//! that write's version — its shards record the request id of the write that made it. A
-//! resend that reaches a new primary after another write to the object may still apply
-//! twice — harmless for write_full/write/remove/xattrs, not for append. Staged puts
-//! (> 16 MiB) and ops with reads carry no request id.
+//! new primary (the first died or was marked down after applying) while the write is among
+//! the object's last 8 that had a request id — its shards keep their ids and versions
+//! (`node::local::ReqHistory`). A resend that reaches a new primary after more writes than
+//! that to the object may still apply twice — harmless for write_full/write/remove/xattrs,
+//! not for append. Staged puts (> 16 MiB) and ops with reads carry no request id.
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;

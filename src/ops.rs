@@ -90,7 +90,8 @@ pub struct ClientOp<'a> {
     /// The client's id for this request, the same on every resend of it (0: none). A
     /// primary remembers the versions its recent mutations made per PG by (client, reqid),
     /// and answers a resend of one it already applied with that version instead of applying
-    /// it again (`node::primary`, like Ceph's reqid in the PG log).
+    /// it again (`node::primary`, like Ceph's reqid in the PG log); a primary after it knows
+    /// the object's last 8 from its shards (`node::local::ReqHistory`).
     pub reqid: u64,
     pub ops: Vec<SubOp<'a>>,
 }

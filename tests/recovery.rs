@@ -371,7 +371,7 @@ fn shard_write_payload(pool: u64, pg: u32, name: &[u8], epoch: u64, data: &[u8])
         },
         offset: 0,
         xattrs: vec![],
-        reqid: None,
+        reqs: Default::default(),
         data: nvstore::node::local::ShardData::Flat(data),
         chunk_crcs: Vec::new(),
         listed_crcs: Vec::new(),
@@ -706,6 +706,30 @@ fn a_resend_to_a_new_primary_is_recognised_by_the_object() {
     m.shutdown();
 }
 
+/// The same, when other writes changed the object between the first send and the resend
+/// (another client's append, an xattr): the object's shards keep the request ids of its
+/// last writes, so the new primary still answers the resend with the version it made.
+#[test]
+fn a_resend_to_a_new_primary_is_recognised_after_the_object_was_written_again() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(4);
+    let c = &h.client;
+    let pool = c.create_pool("resend2", 2, 2, 4096, 8, None).unwrap();
+    c.put(pool, b"log", b"start;").unwrap();
+    let m = h.raw_messenger(messenger::Identity::Client(4343));
+    let (first, v1) = h.raw_append(&m, pool, b"log", 77);
+    c.append(pool, b"log", b"other;").unwrap();
+    c.set_xattr(pool, b"log", "k", b"v").unwrap();
+    assert!(c.stat(pool, b"log").unwrap().version > v1);
+    h.kill_nodes(&[first]);
+    wait_up(c, first, false);
+    let (second, v2) = h.raw_append(&m, pool, b"log", 77);
+    assert_ne!(second, first, "the PG has a new primary");
+    assert_eq!(v2, v1, "the resend reports the version the first send made");
+    assert_eq!(c.get(pool, b"log").unwrap(), b"start;entry;other;");
+    m.shutdown();
+}
+
 /// A shard can carry the request id of a write that was never acknowledged: here only the
 /// future primary took its shard before the old primary died. The new primary rolls that
 /// write back when it resolves the object (its recovery pass, or the resend's own resolve),
@@ -713,7 +737,9 @@ fn a_resend_to_a_new_primary_is_recognised_by_the_object() {
 /// answered with the version of the write that was undone.
 #[test]
 fn a_resend_is_not_answered_for_a_write_that_was_rolled_back() {
-    use nvstore::node::local::{ReqId, ShardData, ShardMeta, ShardWrite, WriteKind, BASE_ANY};
+    use nvstore::node::local::{
+        ReqHistory, ReqId, ShardData, ShardMeta, ShardWrite, WriteKind, BASE_ANY,
+    };
 
     let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let h = cluster(4);
@@ -751,10 +777,13 @@ fn a_resend_is_not_answered_for_a_write_that_was_rolled_back() {
         },
         offset: 0,
         xattrs: vec![],
-        reqid: Some(ReqId {
-            who: client,
-            id: 99,
-        }),
+        reqs: ReqHistory::default().after(
+            Some(ReqId {
+                who: client,
+                id: 99,
+            }),
+            written,
+        ),
         data: ShardData::Flat(&data),
         chunk_crcs: Vec::new(),
         listed_crcs: Vec::new(),

@@ -457,7 +457,7 @@ fn zero_parity(h: &Harness, pool: u64, name: &str) -> u64 {
         },
         offset: 0,
         xattrs: vec![],
-        reqid: None,
+        reqs: Default::default(),
         data: ShardData::Flat(&zeros),
         chunk_crcs: Vec::new(),
         listed_crcs: Vec::new(),

@@ -3,8 +3,9 @@
 //!
 //! Store keys (docs/format.md, "Cluster messages" → "Shard objects"):
 //! * `(pool, name, shard)` — shard data; xattr `nv.meta` = [`ShardMeta`], `nv.rb` = the
-//!   [`Rollback`] of the last write, `nv.req` = the [`ReqId`] of the write that made the
-//!   version (when it had one), `u.<name>` = user xattrs (every shard carries them all).
+//!   [`Rollback`] of the last write, `nv.req` = the [`ReqHistory`] of the object's recent
+//!   writes (when any had a request id), `u.<name>` = user xattrs (every shard carries them
+//!   all).
 //! * `(pool, name, shard | 0x80)` — rollback bytes too large for the xattr.
 //! * `(pool, "\0log" ‖ pg BE32 ‖ version BE64 ‖ name, 0xFE)` — per-PG log entry (empty).
 
@@ -31,15 +32,16 @@ pub const SHARD_ROLLBACK_BIT: u8 = 0x80;
 pub const SHARD_LOG: u8 = 0xFE;
 const XATTR_META: &str = "nv.meta";
 const XATTR_RB: &str = "nv.rb";
-/// The [`ReqId`] of the write that made the shard's version (13 bytes), when it had one.
+/// The object's [`ReqHistory`] (absent when empty).
 const XATTR_REQ: &str = "nv.req";
 const USER_PREFIX: &str = "u.";
 /// `base_version` meaning "whatever the member has".
 pub const BASE_ANY: u64 = u64::MAX;
 
 /// The client request a write carries out: who sent it and its `ClientOp::reqid`. Each shard
-/// keeps the one of the write that made its version (`nv.req`), so a node that later leads
-/// the PG recognises a resend of that write (`ObjState::reqid`).
+/// keeps those of the writes that made the object's recent versions (`nv.req`, a
+/// [`ReqHistory`]), so a node that later leads the PG recognises a resend of one of them
+/// (`ObjState::reqs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ReqId {
     pub who: Identity,
@@ -47,9 +49,8 @@ pub struct ReqId {
 }
 
 impl ReqId {
-    /// As the `nv.req` xattr holds it and SHARD_WRITE carries it: kind u8 (1 client, 2 node),
-    /// who u32, id u64.
-    const BYTES: usize = 13;
+    /// kind u8 (1 client, 2 node), who u32 LE, id u64 LE.
+    pub const BYTES: usize = 13;
 
     fn to_bytes(self) -> [u8; Self::BYTES] {
         let (kind, n) = match self.who {
@@ -63,7 +64,7 @@ impl ReqId {
         b
     }
 
-    /// `None` for a kind 0 (no request id) or anything that is not 13 bytes of a known kind.
+    /// `None` for anything that is not 13 bytes of a known kind.
     fn from_bytes(b: &[u8]) -> Option<ReqId> {
         if b.len() != Self::BYTES {
             return None;
@@ -77,28 +78,118 @@ impl ReqId {
         let id = u64::from_le_bytes(b[5..].try_into().expect("8 bytes"));
         Some(ReqId { who, id })
     }
+}
 
-    fn encode(r: Option<ReqId>, e: &mut Enc) {
-        match r {
-            Some(r) => e.0.extend_from_slice(&r.to_bytes()),
-            None => {
-                e.u8(0);
-            }
-        }
+/// Request ids an object's history keeps: a resend is recognised on a new primary while its
+/// write is among the object's last this many writes that had one.
+pub const REQ_HISTORY_MAX: usize = 8;
+
+/// The client requests whose writes made an object's recent versions, newest first, each with
+/// the version it made (at most [`REQ_HISTORY_MAX`]). Every shard of a version holds the same
+/// history: the primary that writes the version sends it (`ShardWrite::reqs`), recovery and
+/// repair writes carry the object's, and a rollback keeps only the entries at or below the
+/// version it restores. Its entries are facts: each names a version that was acknowledged or
+/// rolled forward, so a resend found in it is answered with that version, never applied again.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReqHistory(Vec<(ReqId, u64)>);
+
+impl ReqHistory {
+    /// One entry as `nv.req` and the wire hold it: a [`ReqId`] (13 bytes), version u64 LE.
+    pub const ENTRY_BYTES: usize = ReqId::BYTES + 8;
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 
-    fn decode(d: &mut Dec) -> Result<Option<ReqId>> {
-        let kind = d.u8()?;
-        if kind == 0 {
-            return Ok(None);
+    pub fn entries(&self) -> &[(ReqId, u64)] {
+        &self.0
+    }
+
+    /// The version the write of request `r` made, if it is in the history.
+    pub fn version_of(&self, r: ReqId) -> Option<u64> {
+        self.0.iter().find(|(q, _)| *q == r).map(|&(_, v)| v)
+    }
+
+    /// The history after a write that makes `version`: that write's request (if it has one)
+    /// first, then this history, trimmed to [`REQ_HISTORY_MAX`].
+    pub fn after(&self, req: Option<ReqId>, version: u64) -> ReqHistory {
+        let mut h = Vec::with_capacity(REQ_HISTORY_MAX.min(self.0.len() + 1));
+        h.extend(req.map(|r| (r, version)));
+        h.extend(self.0.iter().copied().filter(|(q, _)| Some(*q) != req));
+        h.truncate(REQ_HISTORY_MAX);
+        ReqHistory(h)
+    }
+
+    /// The entries of writes at or below `version` (what a rollback to it keeps).
+    pub fn through(&self, version: u64) -> ReqHistory {
+        ReqHistory(
+            self.0
+                .iter()
+                .copied()
+                .filter(|&(_, v)| v <= version)
+                .collect(),
+        )
+    }
+
+    /// `nv.req`: n × (request id, version u64 LE).
+    fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(self.0.len() * Self::ENTRY_BYTES);
+        for (r, v) in &self.0 {
+            b.extend_from_slice(&r.to_bytes());
+            b.extend_from_slice(&v.to_le_bytes());
         }
-        let mut b = [0u8; Self::BYTES];
-        b[0] = kind;
-        b[1..5].copy_from_slice(&d.u32()?.to_le_bytes());
-        b[5..].copy_from_slice(&d.u64()?.to_le_bytes());
-        ReqId::from_bytes(&b)
-            .map(Some)
-            .ok_or_else(|| Error::Malformed(format!("request id kind {kind}")))
+        b
+    }
+
+    /// `nv.req` as stored; `version` is the shard's. A value written before histories (one
+    /// 13-byte request id, the write that made `version`) reads as that one entry; anything
+    /// unreadable as none (a resend is then applied again, never wrongly answered).
+    fn from_bytes(b: &[u8], version: u64) -> ReqHistory {
+        if let Some(r) = ReqId::from_bytes(b) {
+            return ReqHistory(vec![(r, version)]);
+        }
+        if !b.len().is_multiple_of(Self::ENTRY_BYTES)
+            || b.len() / Self::ENTRY_BYTES > REQ_HISTORY_MAX
+        {
+            return ReqHistory::default();
+        }
+        b.chunks_exact(Self::ENTRY_BYTES)
+            .map(|e| {
+                let (r, v) = e.split_at(ReqId::BYTES);
+                Some((
+                    ReqId::from_bytes(r)?,
+                    u64::from_le_bytes(v.try_into().expect("8 bytes")),
+                ))
+            })
+            .collect::<Option<Vec<_>>>()
+            .map(ReqHistory)
+            .unwrap_or_default()
+    }
+
+    /// On the wire: n u8, then n entries as in `nv.req`.
+    fn encode(&self, e: &mut Enc) {
+        e.u8(self.0.len() as u8);
+        e.0.extend_from_slice(&self.to_bytes());
+    }
+
+    fn decode(d: &mut Dec) -> Result<ReqHistory> {
+        let n = d.u8()? as usize;
+        if n > REQ_HISTORY_MAX {
+            return Err(Error::Malformed(format!(
+                "request history of {n} entries (at most {REQ_HISTORY_MAX})"
+            )));
+        }
+        let mut h = Vec::with_capacity(n);
+        for _ in 0..n {
+            let mut b = [0u8; ReqId::BYTES];
+            b[0] = d.u8()?;
+            b[1..5].copy_from_slice(&d.u32()?.to_le_bytes());
+            b[5..].copy_from_slice(&d.u64()?.to_le_bytes());
+            let r = ReqId::from_bytes(&b)
+                .ok_or_else(|| Error::Malformed(format!("request id kind {}", b[0])))?;
+            h.push((r, d.u64()?));
+        }
+        Ok(ReqHistory(h))
     }
 }
 
@@ -298,10 +389,10 @@ pub struct ShardWrite<'a> {
     pub offset: u64,
     /// Full: the complete set; Range/Meta: changes (`None` removes).
     pub xattrs: Vec<(String, Option<Vec<u8>>)>,
-    /// The client request whose write made `meta.version`, kept with the shard (`nv.req`;
-    /// `None`: a request without one, or not known — a recovery or repair of an object
-    /// whose shards do not name one).
-    pub reqid: Option<ReqId>,
+    /// The requests whose writes made the object's recent versions, through `meta.version`,
+    /// kept with the shard (`nv.req`): the primary's write puts its own request first; a
+    /// recovery or repair carries the object's as resolved.
+    pub reqs: ReqHistory,
     pub data: ShardData<'a>,
     /// (length, CRC-32C) of consecutive pieces of `data`, tiling it, known to describe it:
     /// the primary's own sums, or a member's list that [`ShardWrite::vouch`] checked against
@@ -331,7 +422,7 @@ impl<'a> ShardWrite<'a> {
         self.meta.encode(&mut e);
         e.u64(self.offset);
         encode_xattr_changes(&mut e, &self.xattrs);
-        ReqId::encode(self.reqid, &mut e);
+        self.reqs.encode(&mut e);
         e.u32(data_len as u32);
         e.0
     }
@@ -351,7 +442,7 @@ impl<'a> ShardWrite<'a> {
         let meta = ShardMeta::decode(d)?;
         let offset = d.u64()?;
         let xattrs = decode_xattr_changes(d)?;
-        let reqid = ReqId::decode(d)?;
+        let reqs = ReqHistory::decode(d)?;
         let bytes = d.bytes()?;
         let data = ShardData::Flat(bytes);
         // Optionally, after the data: n u32, n × (length u32, crc32c u32) of its pieces.
@@ -385,7 +476,7 @@ impl<'a> ShardWrite<'a> {
             meta,
             offset,
             xattrs,
-            reqid,
+            reqs,
             data,
             chunk_crcs: Vec::new(),
             listed_crcs,
@@ -458,8 +549,8 @@ pub struct ShardState {
     /// The version the stored rollback record undoes (0: none).
     pub rollback_from: u64,
     pub xattrs: BTreeMap<String, Vec<u8>>,
-    /// The request whose write made `meta.version` (the `nv.req` xattr).
-    pub reqid: Option<ReqId>,
+    /// The requests whose writes made the object's recent versions (the `nv.req` xattr).
+    pub reqs: ReqHistory,
 }
 
 impl ShardState {
@@ -477,7 +568,7 @@ impl ShardState {
         for (k, v) in &self.xattrs {
             e.str(k).bytes(v);
         }
-        ReqId::encode(self.reqid, e);
+        self.reqs.encode(e);
     }
     pub fn decode(d: &mut Dec) -> Result<ShardState> {
         let meta = match d.u8()? {
@@ -494,7 +585,7 @@ impl ShardState {
             meta,
             rollback_from,
             xattrs,
-            reqid: ReqId::decode(d)?,
+            reqs: ReqHistory::decode(d)?,
         })
     }
 }
@@ -644,12 +735,15 @@ impl Local {
             .get(XATTR_RB)
             .and_then(|b| Dec::new(b).u64().ok())
             .unwrap_or(0);
-        let reqid = all.get(XATTR_REQ).and_then(|b| ReqId::from_bytes(b));
+        let reqs = all
+            .get(XATTR_REQ)
+            .map(|b| ReqHistory::from_bytes(b, meta.version))
+            .unwrap_or_default();
         Ok(ShardState {
             meta: Some(meta),
             rollback_from,
             xattrs: user_xattrs(all),
-            reqid,
+            reqs,
         })
     }
 
@@ -875,10 +969,10 @@ impl Local {
         }
         t.set_xattr(key.clone(), XATTR_META, &meta_bytes);
         t.set_xattr(key.clone(), XATTR_RB, &rb_bytes);
-        // The request whose write makes this version (a whole-shard write replaces every
-        // xattr: nothing to remove then).
-        let reqid = w.reqid.map(ReqId::to_bytes);
-        match &reqid {
+        // The object's request history through this version (a whole-shard write replaces
+        // every xattr: nothing to remove then).
+        let reqs = (!w.reqs.is_empty()).then(|| w.reqs.to_bytes());
+        match &reqs {
             Some(r) => {
                 t.set_xattr(key.clone(), XATTR_REQ, r);
             }
@@ -1027,13 +1121,21 @@ impl Local {
             .iter()
             .map(|(k, v)| (format!("{USER_PREFIX}{k}"), v))
             .collect();
-        let now_all = if cleared || rb.restore == Restore::Remove {
+        let mut now_all = if rb.restore == Restore::Remove {
             BTreeMap::new()
         } else {
             st.xattrs(&key)?
         };
-        // The undone write's request id goes with it (the one before is not kept: a resend
-        // of that is then not recognised, never wrongly answered).
+        // The undone write's request goes with it: the history keeps the entries of the
+        // version restored and older.
+        let reqs = match (now_all.get(XATTR_REQ), rb.prev) {
+            (Some(b), Some(prev)) => ReqHistory::from_bytes(b, version_from).through(prev.version),
+            _ => ReqHistory::default(),
+        }
+        .to_bytes();
+        if cleared {
+            now_all.clear();
+        }
         let had_reqid = now_all.contains_key(XATTR_REQ);
         let now_user = user_xattrs(now_all);
         if rb.restore != Restore::Remove {
@@ -1048,7 +1150,9 @@ impl Local {
             if !cleared {
                 t.rm_xattr(key.clone(), XATTR_RB);
             }
-            if had_reqid {
+            if !reqs.is_empty() {
+                t.set_xattr(key.clone(), XATTR_REQ, &reqs);
+            } else if had_reqid {
                 t.rm_xattr(key.clone(), XATTR_REQ);
             }
             for ((k, v), (plain, _)) in names.iter().zip(&rb.xattrs) {
@@ -1179,9 +1283,9 @@ impl Local {
         if let Some(rb) = &keep_rb {
             t.set_xattr(key.clone(), XATTR_RB, rb);
         }
-        let reqid = w.reqid.map(ReqId::to_bytes);
-        if let Some(r) = &reqid {
-            t.set_xattr(key.clone(), XATTR_REQ, r);
+        let reqs = w.reqs.to_bytes();
+        if !reqs.is_empty() {
+            t.set_xattr(key.clone(), XATTR_REQ, &reqs);
         }
         for (k, v) in &user {
             t.set_xattr(key.clone(), k, v);
@@ -1449,7 +1553,7 @@ mod store_tests {
                 .iter()
                 .map(|(k, v)| (k.to_string(), Some(v.to_vec())))
                 .collect(),
-            reqid: None,
+            reqs: ReqHistory::default(),
             data: ShardData::Flat(data),
             chunk_crcs: Vec::new(),
             listed_crcs: Vec::new(),
@@ -1638,28 +1742,34 @@ mod store_tests {
         assert!(reloaded.front().unwrap().name.ends_with(b"obj"));
     }
 
-    /// A write's request id travels in SHARD_WRITE and is kept with the shard (`stat`
-    /// reports it, and SHARD_STAT carries it): replaced by the next write's, dropped by a
-    /// write without one and by a rollback, restored by a repair that carries it.
+    /// A write's request history travels in SHARD_WRITE and is kept with the shard (`stat`
+    /// reports it, and SHARD_STAT carries it): replaced by the next write's, kept by a write
+    /// that adds no request, cut back to the restored version by a rollback, restored by a
+    /// repair that carries it; a value from before histories reads as one entry.
     #[test]
-    fn a_shard_keeps_the_request_id_of_the_write_that_made_its_version() {
+    fn a_shard_keeps_the_request_history_of_the_writes_that_made_its_versions() {
         let (_d, l) = local();
         let rid = |n: u64| ReqId {
             who: Identity::Client(7),
             id: n,
         };
         let mut w = full(5, b"abc", &[]);
-        w.reqid = Some(rid(0xfeed));
+        w.reqs = ReqHistory::default().after(Some(rid(0xfeed)), 5);
         let head = w.encode_header(9);
         let mut msg = head.clone();
         msg.extend_from_slice(b"abc");
         let mut d = Dec::new(&msg);
         assert_eq!(d.u64().unwrap(), 9);
-        assert_eq!(ShardWrite::decode(&mut d).unwrap().reqid, Some(rid(0xfeed)));
-        // A request id of an unknown kind is malformed.
-        let at = head.len() - 4 - ReqId::BYTES;
-        assert_eq!(head[at], 1);
+        assert_eq!(ShardWrite::decode(&mut d).unwrap().reqs, w.reqs);
+        // A request id of an unknown kind is malformed, and so is an overlong history.
+        let at = head.len() - 4 - ReqHistory::ENTRY_BYTES;
+        assert_eq!((head[at - 1], head[at]), (1, 1));
         msg[at] = 9;
+        let mut d = Dec::new(&msg);
+        d.u64().unwrap();
+        assert!(ShardWrite::decode(&mut d).is_err());
+        msg[at] = 1;
+        msg[at - 1] = REQ_HISTORY_MAX as u8 + 1;
         let mut d = Dec::new(&msg);
         d.u64().unwrap();
         assert!(ShardWrite::decode(&mut d).is_err());
@@ -1669,37 +1779,60 @@ mod store_tests {
             let mut e = Enc::default();
             s.encode(&mut e);
             assert_eq!(ShardState::decode(&mut Dec::new(&e.0)).unwrap(), s);
-            (s.meta.map(|m| m.version), s.reqid)
+            let ids: Vec<(u64, u64)> = s.reqs.entries().iter().map(|(r, v)| (r.id, *v)).collect();
+            (s.meta.map(|m| m.version), ids)
         };
         l.apply(&w).unwrap();
-        assert_eq!(stat(), (Some(5), Some(rid(0xfeed))));
+        assert_eq!(stat(), (Some(5), vec![(0xfeed, 5)]));
         let mut w6 = full(6, b"abcd", &[]);
-        w6.reqid = Some(ReqId {
-            who: Identity::Node(3),
-            id: 1,
-        });
+        w6.reqs = w.reqs.after(Some(rid(6)), 6);
         l.apply(&w6).unwrap();
-        assert_eq!(stat(), (Some(6), w6.reqid));
-        // A range write without a request id: none recorded for version 7.
+        assert_eq!(stat(), (Some(6), vec![(6, 6), (0xfeed, 5)]));
+        // A range write without a request keeps the history it is sent.
         let mut w7 = full(7, b"Z", &[]);
         w7.kind = WriteKind::Range;
         w7.base_version = 6;
         w7.offset = 1;
+        w7.reqs = w6.reqs.after(None, 7);
         l.apply(&w7).unwrap();
-        assert_eq!(stat(), (Some(7), None));
+        assert_eq!(stat(), (Some(7), vec![(6, 6), (0xfeed, 5)]));
         let mut w8 = w7.clone();
         w8.meta.version = 8;
         w8.base_version = 7;
-        w8.reqid = Some(rid(8));
+        w8.reqs = w7.reqs.after(Some(rid(8)), 8);
         l.apply(&w8).unwrap();
-        assert_eq!(stat(), (Some(8), Some(rid(8))));
-        // Undone: version 7 again, and no request id (version 7's had none anyway).
+        assert_eq!(stat(), (Some(8), vec![(8, 8), (6, 6), (0xfeed, 5)]));
+        // Undone: version 7 again, and request 8 is no longer in the history.
         l.rollback(1, 3, b"obj", 2, 8).unwrap();
-        assert_eq!(stat(), (Some(7), None));
+        assert_eq!(stat(), (Some(7), vec![(6, 6), (0xfeed, 5)]));
+        // A rollback of a whole-shard write keeps the history too.
+        let mut w9 = full(9, b"whole", &[]);
+        w9.reqs = w7.reqs.after(Some(rid(9)), 9);
+        l.apply(&w9).unwrap();
+        l.rollback(1, 3, b"obj", 2, 9).unwrap();
+        assert_eq!(stat(), (Some(7), vec![(6, 6), (0xfeed, 5)]));
+        // A repair writes what it is given; without a history the shard has none.
         let mut r = full(7, b"aZcd", &[]);
-        r.reqid = Some(rid(7));
         l.repair(&r).unwrap();
-        assert_eq!(stat(), (Some(7), Some(rid(7))));
+        assert_eq!(stat(), (Some(7), vec![]));
+        r.reqs = ReqHistory::default().after(Some(rid(7)), 7);
+        l.repair(&r).unwrap();
+        assert_eq!(stat(), (Some(7), vec![(7, 7)]));
+        // The newest REQ_HISTORY_MAX are kept; a resent request moves to the front.
+        let mut h = ReqHistory::default();
+        for v in 1..=20 {
+            h = h.after(Some(rid(v)), v);
+        }
+        assert_eq!(h.entries().len(), REQ_HISTORY_MAX);
+        assert_eq!(h.version_of(rid(20)), Some(20));
+        assert_eq!(h.version_of(rid(20 - REQ_HISTORY_MAX as u64)), None);
+        assert_eq!(h.after(Some(rid(15)), 21).entries().len(), REQ_HISTORY_MAX);
+        assert_eq!(h.through(14).entries().len(), 14 - 12);
+        // `nv.req` as the previous format wrote it: one request id, the current version's.
+        let legacy = ReqHistory::from_bytes(&rid(3).to_bytes(), 44);
+        assert_eq!(legacy.entries(), &[(rid(3), 44)]);
+        assert!(ReqHistory::from_bytes(&[1, 2, 3], 44).is_empty());
+        assert_eq!(ReqHistory::from_bytes(&h.to_bytes(), 0), h);
     }
 
     /// The non-blocking path writes exactly what the blocking one does (data, metadata,

@@ -25,7 +25,9 @@ use messenger::checksum::crc32c_combine;
 use messenger::{BufPool, Incoming, OutMessage, Payload, SendBuf};
 use smallvec::SmallVec;
 
-use super::local::{ReqId, ShardData, ShardMeta, ShardState, ShardWrite, WriteKind, BASE_ANY};
+use super::local::{
+    ReqHistory, ReqId, ShardData, ShardMeta, ShardState, ShardWrite, WriteKind, BASE_ANY,
+};
 use super::Node;
 use crate::error::{Error, Result};
 use crate::map::{ClusterMap, PoolInfo};
@@ -56,9 +58,9 @@ pub struct ObjState {
     /// Slots whose shard is at `version`.
     pub current: u64,
     pub xattrs: BTreeMap<String, Vec<u8>>,
-    /// The client request whose write made `version`, as its shards recorded it (`None`:
-    /// unknown, or a write without one).
-    pub reqid: Option<ReqId>,
+    /// The client requests whose writes made the object's recent versions, through
+    /// `version`, as its shards recorded them.
+    pub reqs: ReqHistory,
 }
 
 impl ObjState {
@@ -93,8 +95,8 @@ pub struct PgCache {
 /// they made, so a resend of one (its reply was lost, or the client gave up waiting) is
 /// answered with that version instead of being applied twice. The newest
 /// [`APPLIED_PER_PG_MAX`] per PG, in memory. A resend that reaches another primary is
-/// recognised by the object instead: each shard keeps the request id of the write that made
-/// its version (`ObjState::reqid`).
+/// recognised by the object instead: each shard keeps the request ids of the writes that made
+/// the object's last versions (`ObjState::reqs`).
 #[derive(Default)]
 struct Applied {
     versions: HashMap<ReqId, u64>,
@@ -274,12 +276,12 @@ impl Node {
             return Ok(answer(version));
         }
         let st = self.resolve(&ctx, &mut c, op.name)?;
-        // A resend of the mutation that made the object's current version (applied by a
-        // primary before this one, which died or lost the PG before it replied): versions
-        // are unique, so the resolved state is that write's, and it stands.
-        if let Some(r) = src.reqid.filter(|r| st.reqid == Some(*r)) {
-            c.applied.insert(r, st.version);
-            return Ok(answer(st.version));
+        // A resend of a mutation that made one of the object's recent versions (applied by
+        // a primary before this one, which died or lost the PG before it replied, and maybe
+        // overwritten since): the history holds only versions that stand.
+        if let Some((r, v)) = src.reqid.and_then(|r| Some((r, st.reqs.version_of(r)?))) {
+            c.applied.insert(r, v);
+            return Ok(answer(v));
         }
         for o in &op.ops {
             match o {
@@ -620,8 +622,14 @@ impl Node {
                     deleted: meta.deleted,
                     current: holders.iter().fold(0, |a, s| a | bit(*s)),
                     xattrs: first.xattrs.clone(),
-                    // One version, one write: any holder that recorded its request id.
-                    reqid: holders.iter().find_map(|h| states[*h].as_ref()?.reqid),
+                    // One version, one write, one history: any holder that recorded one.
+                    reqs: holders
+                        .iter()
+                        .filter_map(|h| states[*h].as_ref())
+                        .map(|s| &s.reqs)
+                        .find(|r| !r.is_empty())
+                        .cloned()
+                        .unwrap_or_default(),
                 };
                 remember(c, name, &st);
                 return Ok(st);
@@ -1122,6 +1130,7 @@ impl Node {
         } else {
             m.xattrs.clone()
         };
+        let reqs = st.reqs.after(reqid, version);
         let acked = self.replicate(
             ctx,
             name,
@@ -1129,7 +1138,7 @@ impl Node {
             base,
             meta,
             &xattr_list,
-            reqid,
+            &reqs,
             &shards,
             targets,
         );
@@ -1147,7 +1156,7 @@ impl Node {
             deleted,
             current: acked,
             xattrs: if deleted { BTreeMap::new() } else { xattrs },
-            reqid,
+            reqs,
         };
         remember(c, name, &new);
         Ok(version)
@@ -1300,7 +1309,7 @@ impl Node {
         base: u64,
         meta: ShardMeta,
         xattrs: &[(String, Option<Vec<u8>>)],
-        reqid: Option<ReqId>,
+        reqs: &ReqHistory,
         shards: &[ShardBytes],
         targets: u64,
     ) -> Result<u64> {
@@ -1396,7 +1405,7 @@ impl Node {
                     meta,
                     offset: kinds[s].1,
                     xattrs: xattrs.to_vec(),
-                    reqid,
+                    reqs: reqs.clone(),
                     data: bytes_of(s),
                     chunk_crcs: piece_crcs[s].clone(),
                     listed_crcs: Vec::new(),

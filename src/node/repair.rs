@@ -161,8 +161,8 @@ impl Node {
             meta,
             offset: 0,
             xattrs: xattrs.clone(),
-            // The rebuilt shard records the write that made the version, as the others do.
-            reqid: st.reqid,
+            // The rebuilt shard keeps the object's request history, as the others do.
+            reqs: st.reqs.clone(),
             data: ShardData::Flat(&data[&s]),
             chunk_crcs: Vec::new(),
             listed_crcs: Vec::new(),
