@@ -3,8 +3,7 @@
 //! The monitor's heartbeats show only whether a node reaches the *monitor*. A node whose
 //! network to its peers is cut while its path to the monitor works stays up in the map, and
 //! every write of a PG it is a member of waits on its shard (writes need every up member).
-//! So each node pings every other node of the map once per heartbeat period on a connection
-//! of its own (`node-peer-ping` thread, `MSG_PEER_PING`, answered on the receiving messenger
+//! So each node pings its peers once per heartbeat period on a connection of its own (`node-peer-ping` thread, `MSG_PEER_PING`, answered on the receiving messenger
 //! worker), and its heartbeat lists the peers it has had no answer from for two periods or
 //! more, with how long (`NodeStats::silent_peers`); a peer's silence counts from its last
 //! answer, or from when this node saw it come up since (a peer just back was not pinged
@@ -14,13 +13,20 @@
 //! everyone reports all of them, but each of those has one reporter only, so only the
 //! cut-off node goes down; a silent up peer also shows in `nvstore status`.
 //!
+//! A node's peers ([`peers_of`]) are the other members, up or down, of every PG it is a
+//! member of — the nodes whose shards its writes wait on, and which wait on its — topped up
+//! with the next nodes by id to at least [`MIN_PEERS`], like Ceph's heartbeat peers
+//! (`osd_heartbeat_min_peers`). On a small cluster that is every node; on a large one a node
+//! pings its PG peers, not the whole map (connections and pings grow with the PGs per node,
+//! not with the node count squared).
+//!
 //! A connection whose ping fails is closed and dialled afresh (on a thread of its own) at the
 //! next ping. Nodes the map marks down are pinged every [`DOWN_EVERY`] periods only (a dead
 //! node's refused connects are logged), but are pinged: that is how their reporters see them
 //! answer again, stop reporting them, and let the monitor mark them up. Nodes down and out
 //! hold no PGs and are neither pinged nor reported.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -28,12 +34,47 @@ use std::time::{Duration, Instant};
 use messenger::{Connection, Identity, OutMessage};
 
 use super::Node;
+use crate::map::ClusterMap;
+use crate::placement::pg_members;
 use crate::wire::{self, Enc};
 
 /// A node down in the map is pinged once per this many periods.
 const DOWN_EVERY: u64 = 8;
 /// Silence shorter than this many periods is not reported (one lost ping is no failure).
 const SILENT_PERIODS: u32 = 2;
+/// Fewest peers a node pings (when it has fewer PG peers, the next nodes by id): enough that
+/// a node has two reporters however few PGs it shares (Ceph's `osd_heartbeat_min_peers`).
+pub const MIN_PEERS: usize = 10;
+
+/// The nodes `me` pings: every other member, up or down, of each PG `me` is a member of; then,
+/// while that is fewer than [`MIN_PEERS`], the nodes after `me` by id (wrapping around).
+/// Nodes down and out hold no PGs and are not pinged.
+pub fn peers_of(map: &ClusterMap, me: u32) -> BTreeSet<u32> {
+    let candidate = |id: u32| id != me && map.nodes.get(&id).is_some_and(|n| n.up || n.r#in);
+    let mut peers = BTreeSet::new();
+    for pool in map.pools.values() {
+        for pg in 0..pool.pg_num {
+            let members = pg_members(map, pool, pg);
+            if members.contains(&Some(me)) {
+                peers.extend(members.into_iter().flatten().filter(|id| candidate(*id)));
+            }
+        }
+    }
+    let ids: Vec<u32> = map
+        .nodes
+        .keys()
+        .copied()
+        .filter(|id| candidate(*id))
+        .collect();
+    let after = ids.partition_point(|id| *id < me);
+    for i in 0..ids.len() {
+        if peers.len() >= MIN_PEERS {
+            break;
+        }
+        peers.insert(ids[(after + i) % ids.len()]);
+    }
+    peers
+}
 
 /// What the pings found out.
 #[derive(Default)]
@@ -80,11 +121,14 @@ impl Node {
         let (dialed_tx, dialed) = crossbeam::channel::unbounded::<(u32, Option<Connection>)>();
         let mut dialing: HashSet<u32> = HashSet::new();
         let mut was_up: HashSet<u32> = HashSet::new();
+        // (map epoch, peers): placement runs again only when the map changes.
+        let mut peers: (u64, BTreeSet<u32>) = (u64::MAX, BTreeSet::new());
         for tick in 0u64.. {
             let map = self.monc.map();
-            // Out and down: neither pinged nor reported (it holds no PGs).
-            let pinged =
-                |id: &u32| *id != self.id && map.nodes.get(id).is_some_and(|n| n.up || n.r#in);
+            if peers.0 != map.epoch {
+                peers = (map.epoch, peers_of(&map, self.id));
+            }
+            let pinged = |id: &u32| peers.1.contains(id);
             for (id, c) in dialed.try_iter() {
                 dialing.remove(&id);
                 if let Some(c) = c {
@@ -157,6 +201,91 @@ impl Node {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::map::{Change, Incremental, NodeInfo, PoolInfo, WEIGHT_ONE};
+    use crate::placement::Acting;
+
+    fn map_of(nodes: u32, pg_num: u32) -> ClusterMap {
+        let mut m = ClusterMap::new("f".into());
+        let mut changes: Vec<Change> = (1..=nodes)
+            .map(|id| {
+                Change::NodeBoot(NodeInfo {
+                    id,
+                    addr: format!("127.0.0.1:{}", 7000 + id).parse().unwrap(),
+                    host: format!("h{id}"),
+                    weight: WEIGHT_ONE,
+                    up: true,
+                    r#in: true,
+                    devices: vec![],
+                    up_from: 0,
+                    auto_out: false,
+                })
+            })
+            .collect();
+        changes.push(Change::PoolCreate(PoolInfo {
+            id: 1,
+            name: "p".into(),
+            k: 6,
+            m: 2,
+            stripe_unit: 4096,
+            pg_num,
+            min_size: 7,
+        }));
+        m.apply(&Incremental { epoch: 1, changes }).unwrap();
+        m
+    }
+
+    /// Every node pings the co-members of its PGs and at least MIN_PEERS nodes, never itself
+    /// or a node down and out, and is pinged by at least two (the monitor's reporters); on a
+    /// small cluster every node pings every other; on a large one far fewer than all.
+    #[test]
+    fn a_node_pings_its_pg_peers_topped_up_to_the_minimum() {
+        let small = map_of(8, 32);
+        for me in 1..=8 {
+            let all: BTreeSet<u32> = (1..=8).filter(|i| *i != me).collect();
+            assert_eq!(peers_of(&small, me), all);
+        }
+        for pg_num in [4, 64] {
+            let mut m = map_of(60, pg_num);
+            let mut apply = |c: Change| {
+                let epoch = m.epoch + 1;
+                m.apply(&Incremental {
+                    epoch,
+                    changes: vec![c],
+                })
+                .unwrap();
+            };
+            apply(Change::NodeDown(60));
+            apply(Change::NodeOut(60));
+            apply(Change::NodeDown(59));
+            let pool = m.pools[&1].clone();
+            let mut pinged_by: HashMap<u32, usize> = HashMap::new();
+            let mut most = 0;
+            for me in 1..=59 {
+                let peers = peers_of(&m, me);
+                assert!(peers.len() >= MIN_PEERS, "{me}: {peers:?}");
+                assert!(!peers.contains(&me) && !peers.contains(&60));
+                for pg in 0..pool.pg_num {
+                    let a = Acting::compute(&m, &pool, pg);
+                    if a.shard_of(me).is_some() {
+                        for n in a.members.iter().flatten().filter(|n| **n != me) {
+                            assert!(peers.contains(n), "{me} pings its PG peer {n}");
+                        }
+                    }
+                }
+                for p in &peers {
+                    *pinged_by.entry(*p).or_default() += 1;
+                }
+                most = most.max(peers.len());
+            }
+            for id in 1..=59 {
+                assert!(pinged_by.get(&id).copied().unwrap_or(0) >= 2, "{id}");
+            }
+            assert!(!pinged_by.contains_key(&60));
+            if pg_num == 4 {
+                assert!(most < 30, "few PGs: few peers, not the whole map ({most})");
+            }
+        }
+    }
 
     #[test]
     fn only_peers_silent_for_two_periods_are_reported() {
