@@ -42,6 +42,8 @@ pub const MSG_PG_MARK: u16 = 42;
 pub const MSG_RECOVERY_READ: u16 = 43;
 /// A whole-shard write at recovery priority; a member already at or past its version skips it.
 pub const MSG_RECOVERY_WRITE: u16 = 44;
+/// Drop the rollback records of writes the primary saw acknowledged.
+pub const MSG_SHARD_SETTLE: u16 = 45;
 // Admin range 50..=59 (client → node, JSON replies; docs/operations.md).
 pub const MSG_ADMIN_PERF_DUMP: u16 = 50;
 pub const MSG_ADMIN_PERF_RESET: u16 = 51;

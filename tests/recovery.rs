@@ -916,3 +916,75 @@ fn appends_land_exactly_once_while_primaries_are_killed_and_restarted() {
         sent.len()
     );
 }
+
+/// An overwrite keeps the old bytes on each member for a rollback until its primary has seen
+/// it acknowledged, and a remove keeps the whole old object that way; then the primary has
+/// the members drop those records (SHARD_SETTLE). So the stores' live bytes come back to one
+/// copy after overwrites, and to next to nothing after removes — they stayed at two copies,
+/// and a removed object's bytes stayed live, before. Objects of 300 kB keep their old shard
+/// bytes in an object of their own, 40 kB ones inline in the record.
+#[test]
+fn overwrites_and_removes_give_back_the_space_of_the_old_bytes() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(4);
+    let c = &h.client;
+    let pool = c.create_pool("space", 2, 2, 4096, 8, None).unwrap();
+    let sum = |f: &dyn Fn(&serde_json::Value) -> u64| -> u64 {
+        (1..=4).map(|n| f(&c.perf_dump(n).unwrap())).sum()
+    };
+    let live = || {
+        sum(&|d| {
+            d["store"]["by_device"]
+                .as_object()
+                .unwrap()
+                .values()
+                .map(|v| v["live_bytes"].as_u64().unwrap())
+                .sum()
+        })
+    };
+    let dropped = || sum(&|d| d["recovery"]["rollbacks_dropped"].as_u64().unwrap());
+    let size = |i: usize| if i % 2 == 0 { 300_000 } else { 40_000 };
+    let names: Vec<String> = (0..12).map(|i| format!("big-{i}")).collect();
+    let before = live();
+    for (i, n) in names.iter().enumerate() {
+        c.put(pool, n.as_bytes(), &bytes(i as u64, size(i)))
+            .unwrap();
+    }
+    // Shards hold twice the data (k = 2, m = 2).
+    let one_copy: u64 = (0..12).map(|i| 2 * size(i) as u64).sum();
+    let put = live() - before;
+    assert!(
+        put >= one_copy && put < one_copy * 5 / 4,
+        "{put} live after the puts"
+    );
+    for (i, n) in names.iter().enumerate() {
+        c.put(pool, n.as_bytes(), &bytes(100 + i as u64, size(i)))
+            .unwrap();
+    }
+    // Every overwrite replaced the bytes of all four slots.
+    wait_until("the overwrites' rollback records to be dropped", || {
+        dropped() >= 12 * 4
+    });
+    let over = live() - before;
+    assert!(
+        over < one_copy * 5 / 4,
+        "{over} live after the overwrites ({one_copy} data)"
+    );
+    for (i, n) in names.iter().enumerate() {
+        assert!(c.get(pool, n.as_bytes()).unwrap() == bytes(100 + i as u64, size(i)));
+    }
+    for n in &names {
+        c.remove(pool, n.as_bytes()).unwrap();
+    }
+    wait_until("the removes' rollback records to be dropped", || {
+        dropped() >= 2 * 12 * 4
+    });
+    let gone = live() - before;
+    assert!(
+        gone < one_copy / 10,
+        "{gone} live after the removes ({one_copy} data)"
+    );
+    for n in &names {
+        assert!(c.get(pool, n.as_bytes()).is_err(), "{n} is gone");
+    }
+}

@@ -594,6 +594,9 @@ impl ShardState {
 enum Commit {
     /// Block until durable.
     Wait,
+    /// Block until durable, keeping no undo record: the write puts a state that stands (a
+    /// recovery write of an object's resolved version), so nothing will roll it back.
+    WaitSettled,
     /// Return at once; the callback runs on the commit thread.
     Async(Arc<Local>, Box<dyn FnOnce(Option<Result<()>>) + Send>),
 }
@@ -840,6 +843,62 @@ impl Local {
         self.apply_with(w, Commit::Wait).map(|_| ())
     }
 
+    /// [`Local::apply`] without a rollback record (and without reading the old bytes for
+    /// one): for writes of a state that stands, such as recovery's whole shards of an
+    /// object's resolved version. A rollback of the version then fails (nothing to undo).
+    pub fn apply_settled(&self, w: &ShardWrite) -> Result<()> {
+        self.apply_with(w, Commit::WaitSettled).map(|_| ())
+    }
+
+    /// Drop the rollback records of this PG's shard `shard` of objects written at the given
+    /// versions, which their primary saw acknowledged (so no one will roll them back): the
+    /// old bytes they keep — a whole old shard for an overwrite or a remove — are space
+    /// otherwise held until the object's next write. An entry whose shard has moved on to
+    /// another version, or holds no record of that version, is skipped; so is one a
+    /// concurrent write overtook (each entry's commit asserts the store version it read).
+    /// The commits need no flush of their own (a lost one leaves a record to drop later).
+    /// Returns how many records were dropped.
+    pub fn settle(&self, pool: u64, pg: u32, shard: u8, entries: &[(&[u8], u64)]) -> Result<u64> {
+        let st = self.store(pool, pg);
+        let mut txns: Vec<(ObjectKey, u64, Option<ObjectKey>)> = Vec::new();
+        for &(name, version) in entries {
+            let key = ObjectKey::new(pool, name, shard);
+            if self.meta(st, &key)?.map(|m| m.version) != Some(version) {
+                continue;
+            }
+            let (Ok(stat), Ok(rb)) = (st.stat(&key), st.get_xattr(&key, XATTR_RB)) else {
+                continue;
+            };
+            if Dec::new(&rb).u64().ok() != Some(version) {
+                continue;
+            }
+            let rb_key = ObjectKey::new(pool, name, shard | SHARD_ROLLBACK_BIT);
+            let spill = st.exists(&rb_key).then_some(rb_key);
+            txns.push((key, stat.version, spill));
+        }
+        let (tx, rx) = std::sync::mpsc::channel::<bool>();
+        let mut started = 0;
+        for (key, store_version, spill) in txns {
+            let mut t = Transaction::new();
+            t.assert_version(key.clone(), store_version);
+            t.rm_xattr(key, XATTR_RB);
+            if let Some(k) = spill {
+                t.remove(k);
+            }
+            let tx = tx.clone();
+            // Grouped into the store's next flush with everything else committing. An error
+            // here (the shard changed since it was read: the assert) means a skip.
+            let done = Box::new(move |r: AsyncCommit| {
+                let _ = tx.send(matches!(r, AsyncCommit::Durable(_)));
+            });
+            if st.commit_async(t, done).is_ok() {
+                started += 1;
+            }
+        }
+        drop(tx);
+        Ok(rx.iter().take(started).filter(|ok| *ok).count() as u64)
+    }
+
     /// Start applying a small write that creates a shard, without blocking: no device read,
     /// no wait for the commit. `done` runs on the store's commit thread once the write is
     /// durable (`Some(Ok)`), failed (`Some(Err)`), or lost a race with another writer of the
@@ -890,7 +949,15 @@ impl Local {
         };
         let had_reqid = old_all.contains_key(XATTR_REQ);
         let old_user = user_xattrs(old_all);
+        let settled = matches!(how, Commit::WaitSettled);
+        if settled && w.kind != WriteKind::Full {
+            return Err(Error::remote(
+                Status::Invalid,
+                "only whole-shard writes are applied without a rollback record",
+            ));
+        }
         let restore = match (w.kind, exists) {
+            (_, _) if settled => Restore::Nothing,
             (WriteKind::Meta, _) => Restore::Nothing,
             (_, false) => Restore::Remove,
             (WriteKind::Full, true) => Restore::Full(st.read_vec(&key, 0, u64::MAX)?),
@@ -968,7 +1035,14 @@ impl Local {
             }
         }
         t.set_xattr(key.clone(), XATTR_META, &meta_bytes);
-        t.set_xattr(key.clone(), XATTR_RB, &rb_bytes);
+        if settled {
+            // No record (a whole-shard write drops the old xattrs), and no old spill left.
+            if st.exists(&rb_key) {
+                t.remove(rb_key.clone());
+            }
+        } else {
+            t.set_xattr(key.clone(), XATTR_RB, &rb_bytes);
+        }
         // The object's request history through this version (a whole-shard write replaces
         // every xattr: nothing to remove then).
         let reqs = (!w.reqs.is_empty()).then(|| w.reqs.to_bytes());
@@ -1023,7 +1097,7 @@ impl Local {
         };
         crate::optrack::event(crate::optrack::Ev::CommitStart, crate::optrack::NO_SHARD);
         match how {
-            Commit::Wait => {
+            Commit::Wait | Commit::WaitSettled => {
                 let r = st.commit(t);
                 crate::optrack::event(crate::optrack::Ev::CommitEnd, crate::optrack::NO_SHARD);
                 self.applied(applied, r.is_ok());
@@ -1721,6 +1795,57 @@ mod store_tests {
         };
         let e = l.apply(&w).unwrap_err();
         assert_eq!(e.status(), Status::VersionMismatch, "{e}");
+    }
+
+    /// `settle` drops the rollback record (and its spilled bytes) of the version named, only
+    /// while the shard is at that version; `apply_settled` keeps none. A settled version can
+    /// no longer be rolled back; the data stays as written.
+    #[test]
+    fn settled_writes_keep_no_rollback_record() {
+        let (_d, l) = local();
+        let st = &l.stores[0];
+        let spill = ObjectKey::new(1, b"obj", 2 | SHARD_ROLLBACK_BIT);
+        let rb_from = || l.stat(1, 3, b"obj", 2).unwrap().rollback_from;
+        let big = vec![5u8; ROLLBACK_INLINE_BYTES_MAX * 2];
+        l.apply(&full(11, &big, &[])).unwrap();
+        l.apply(&full(12, b"second", &[])).unwrap();
+        assert!(
+            st.exists(&spill),
+            "the old bytes spill to an object of their own"
+        );
+        assert_eq!(rb_from(), 12);
+        // The wrong version, or a name with no shard here: nothing dropped.
+        assert_eq!(
+            l.settle(1, 3, 2, &[(b"obj", 11), (b"nope", 12)]).unwrap(),
+            0
+        );
+        assert_eq!(rb_from(), 12);
+        let live = st.space().live_bytes;
+        assert_eq!(l.settle(1, 3, 2, &[(b"obj", 12)]).unwrap(), 1);
+        assert_eq!(rb_from(), 0);
+        assert!(!st.exists(&spill));
+        assert!(st.space().live_bytes + big.len() as u64 <= live);
+        assert!(l.rollback(1, 3, b"obj", 2, 12).is_err());
+        assert_eq!(snapshot(&l).1, b"second");
+        // Settling again finds nothing; a later write keeps its own record.
+        assert_eq!(l.settle(1, 3, 2, &[(b"obj", 12)]).unwrap(), 0);
+        l.apply(&full(13, b"third", &[])).unwrap();
+        assert_eq!(l.settle(1, 3, 2, &[(b"obj", 12)]).unwrap(), 0);
+        assert_eq!(rb_from(), 13);
+        l.rollback(1, 3, b"obj", 2, 13).unwrap();
+        assert_eq!(snapshot(&l).1, b"second");
+        // A recovery-style write: no record, and an old spill does not linger.
+        l.apply(&full(14, &big, &[])).unwrap();
+        l.apply(&full(15, b"x", &[])).unwrap();
+        assert!(st.exists(&spill));
+        l.apply_settled(&full(16, b"recovered", &[])).unwrap();
+        assert_eq!(rb_from(), 0);
+        assert!(!st.exists(&spill));
+        assert_eq!(snapshot(&l).1, b"recovered");
+        let mut range = full(17, b"R", &[]);
+        range.kind = WriteKind::Range;
+        range.base_version = 16;
+        assert!(l.apply_settled(&range).is_err(), "whole shards only");
     }
 
     #[test]

@@ -178,6 +178,7 @@ impl Dispatcher for NodeDispatcher {
                 | wire::MSG_PG_MARK
                 | wire::MSG_RECOVERY_READ
                 | wire::MSG_RECOVERY_WRITE
+                | wire::MSG_SHARD_SETTLE
                 | wire::MSG_SHARD_REPAIR
         )
     }
@@ -213,7 +214,8 @@ impl Dispatcher for NodeDispatcher {
             | wire::MSG_PG_LOG
             | wire::MSG_PG_MARK
             | wire::MSG_RECOVERY_READ
-            | wire::MSG_RECOVERY_WRITE => node.enqueue_recovery(msg),
+            | wire::MSG_RECOVERY_WRITE
+            | wire::MSG_SHARD_SETTLE => node.enqueue_recovery(msg),
             t => {
                 let r = match t {
                     wire::MSG_CLIENT_STAGE => node.stage(&msg),

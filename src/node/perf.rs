@@ -171,7 +171,7 @@ impl Node {
             driver::workload::peak_rss_kib(),
         );
         #[rustfmt::skip]
-        let rows: [(&'static str, Row); 39] = [
+        let rows: [(&'static str, Row); 42] = [
             ("client", ("read_ops", C, c.read_ops.load(Relaxed), "Client read ops run as primary")),
             ("client", ("write_ops", C, c.write_ops.load(Relaxed), "Client write ops run as primary")),
             ("client", ("read_bytes", C, c.read_bytes.load(Relaxed), "Bytes returned to clients")),
@@ -189,6 +189,9 @@ impl Node {
             ("node", ("shard_crcs_vouched", C, c.shard_crcs_vouched.load(Relaxed), "Shard writes whose listed chunk CRCs matched the verified frame CRC (recorded without summing the bytes)")),
             ("node", ("shard_crcs_dropped", C, c.shard_crcs_dropped.load(Relaxed), "Shard writes whose listed chunk CRCs did not describe the bytes (summed instead)")),
             ("recovery", ("marks_refreshed", C, self.recovery.marks_refreshed.load(Relaxed), "Times a PG's member marks were advanced between passes")),
+            ("recovery", ("rollbacks_dropped", C, self.recovery.rollbacks_dropped.load(Relaxed), "Rollback records of acknowledged writes dropped here on their primary's word (their old bytes freed)")),
+            ("recovery", ("settles_sent", C, self.recovery.settles_sent.load(Relaxed), "Acknowledged writes, led here, whose members were told to drop their rollback records")),
+            ("recovery", ("settles_failed", C, self.recovery.settles_failed.load(Relaxed), "SHARD_SETTLE requests a member did not answer (its records stay until the object's next write)")),
             ("recovery", ("marks_behind", G, self.marks_behind(), "PGs led here whose member marks lag acknowledged writes")),
             ("ec", ("encoded_bytes", C, e.encoded_bytes.load(Relaxed), "Data bytes encoded in full stripes")),
             ("ec", ("delta_bytes", C, e.delta_bytes.load(Relaxed), "Data bytes applied to parity by delta")),

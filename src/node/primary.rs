@@ -89,7 +89,15 @@ pub struct PgCache {
     /// Mutations this node applied as the PG's primary, by request id (kept across member
     /// changes: an op applied is applied, whoever led the PG since).
     applied: Applied,
+    /// Acknowledged writes that replaced bytes: (name, version, slots) whose members keep a
+    /// rollback record with the old bytes, no longer needed; sent to them in batches
+    /// (`MSG_SHARD_SETTLE`, the recovery loop's `send_settles`). At most
+    /// [`SETTLE_PENDING_MAX`]: past that, records stay until the object's next write.
+    pub(super) to_settle: Vec<(Vec<u8>, u64, u64)>,
 }
+
+/// Acknowledged writes a PG's primary holds for settling between batches.
+const SETTLE_PENDING_MAX: usize = 16 << 10;
 
 /// Client mutations this primary applied recently, (client, `ClientOp::reqid`) → the version
 /// they made, so a resend of one (its reply was lost, or the client gave up waiting) is
@@ -1149,6 +1157,15 @@ impl Node {
             _ => c.complete_at = None,
         }
         let acked = acked?;
+        // The slots that replaced existing bytes keep them for a rollback that will not
+        // come now: have them dropped.
+        let replaced = (0..n)
+            .filter(|s| kinds[*s].0 != WriteKind::Meta)
+            .fold(0u64, |a, s| a | bit(s))
+            & acked;
+        if st.exists() && replaced != 0 && c.to_settle.len() < SETTLE_PENDING_MAX {
+            c.to_settle.push((name.to_vec(), version, replaced));
+        }
         let new = ObjState {
             version,
             size: new_size,

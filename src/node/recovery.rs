@@ -229,6 +229,12 @@ pub struct Recovery {
     rate_bits: AtomicU64,
     /// Times a PG's marks were advanced outside a pass (`refresh_marks`).
     pub(super) marks_refreshed: AtomicU64,
+    /// Rollback records this node dropped on its primaries' word (`MSG_SHARD_SETTLE`).
+    pub(super) rollbacks_dropped: AtomicU64,
+    /// Acknowledged writes whose rollback records this node, as primary, sent to be dropped,
+    /// and SHARD_SETTLE requests that failed (their records stay until the object's next write).
+    pub(super) settles_sent: AtomicU64,
+    pub(super) settles_failed: AtomicU64,
     last_done_unix_ms: AtomicU64,
 }
 
@@ -258,6 +264,9 @@ impl Default for Recovery {
             failures: AtomicU64::new(0),
             rate_bits: AtomicU64::new(0),
             marks_refreshed: AtomicU64::new(0),
+            rollbacks_dropped: AtomicU64::new(0),
+            settles_sent: AtomicU64::new(0),
+            settles_failed: AtomicU64::new(0),
             last_done_unix_ms: AtomicU64::new(0),
         }
     }
@@ -528,6 +537,10 @@ impl Node {
                 d.end()?;
                 self.set_mark(pool, pg, slot, version)?;
             }
+            wire::MSG_SHARD_SETTLE => {
+                let (shard, entries) = decode_settle(&mut d)?;
+                e.u64(self.settle(pool, pg, shard, &entries)?);
+            }
             wire::MSG_RECOVERY_READ => {
                 let name = d.bytes()?;
                 let shard = d.u8()?;
@@ -562,7 +575,16 @@ impl Node {
         {
             return Ok(());
         }
-        self.local.apply(w)
+        // The object's resolved version stands: nothing will undo this write, so it keeps
+        // no rollback record (nor reads the stale bytes for one).
+        self.local.apply_settled(w)
+    }
+
+    /// SHARD_SETTLE on this member: drop the rollback records its primary listed.
+    fn settle(&self, pool: u64, pg: u32, shard: u8, entries: &[(&[u8], u64)]) -> Result<u64> {
+        let n = self.local.settle(pool, pg, shard, entries)?;
+        self.recovery.rollbacks_dropped.fetch_add(n, Relaxed);
+        Ok(n)
     }
 
     /// A `SHARD_LIST` reply body: more u8, count u32, then per shard name, slot, version,
@@ -711,6 +733,7 @@ impl Node {
             }
             if Instant::now() >= next_marks {
                 self.refresh_marks();
+                self.send_settles();
                 next_marks = Instant::now() + MARK_REFRESH;
             }
             match dirty.pop_first() {
@@ -813,6 +836,11 @@ impl Node {
             wire::MSG_PG_MARK => {
                 let (pool, pg, slot, v) = (d.u64()?, d.u32()?, d.u8()?, d.u64()?);
                 self.set_mark(pool, pg, slot, v)?;
+            }
+            wire::MSG_SHARD_SETTLE => {
+                let (pool, pg) = (d.u64()?, d.u32()?);
+                let (shard, entries) = decode_settle(&mut d)?;
+                e.u64(self.settle(pool, pg, shard, &entries)?);
             }
             wire::MSG_SHARD_LIST => {
                 let (pool, pg, after, max) = (d.u64()?, d.u32()?, d.bytes()?, d.u32()?);
@@ -1008,6 +1036,64 @@ impl Node {
                     self.recovery.marks_refreshed.fetch_add(1, Relaxed);
                 }
                 Err(e) => debug!("recovery: pg {pool}.{pg:x}: advancing marks failed: {e}"),
+            }
+        }
+    }
+
+    /// Send each member of the PGs this node leads the acknowledged writes whose rollback
+    /// records it may drop (`PgCache::to_settle`), one SHARD_SETTLE per member and PG. A
+    /// member that does not answer keeps its records (until the object's next write).
+    fn send_settles(&self) {
+        type Caches = Vec<((u64, u32), Arc<Mutex<PgCache>>)>;
+        let pgs: Caches = self
+            .pgs
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(k, s)| (*k, s.cache.clone()))
+            .collect();
+        for ((pool, pg), cache) in pgs {
+            let list = {
+                let Ok(mut c) = cache.try_lock() else {
+                    continue; // an op is running: next time
+                };
+                if c.to_settle.is_empty() {
+                    continue;
+                }
+                std::mem::take(&mut c.to_settle)
+            };
+            let Some(ctx) = self.recovery_ctx(pool, pg) else {
+                continue;
+            };
+            let reqs: Vec<(usize, Vec<SendBuf>)> = (0..ctx.n())
+                .filter(|s| ctx.up(*s).is_some())
+                .filter_map(|s| {
+                    let mine: Vec<&(Vec<u8>, u64, u64)> =
+                        list.iter().filter(|e| e.2 & (1 << s) != 0).collect();
+                    if mine.is_empty() {
+                        return None;
+                    }
+                    let mut e = Enc::new(ctx.map.epoch);
+                    e.u64(pool).u32(pg).u8(s as u8).u32(mine.len() as u32);
+                    for (name, version, _) in mine {
+                        e.bytes(name).u64(*version);
+                    }
+                    Some((s, vec![SendBuf::Vec(e.finish())]))
+                })
+                .collect();
+            let local = |_slot: usize, parts: Vec<SendBuf>| -> Result<Payload> {
+                let body = SendBuf::concat(&parts);
+                self.local_recovery_op(wire::MSG_SHARD_SETTLE, &body)
+                    .map(Payload::from_vec)
+            };
+            self.recovery
+                .settles_sent
+                .fetch_add(list.len() as u64, Relaxed);
+            for (slot, r) in self.fan_out(&ctx, wire::MSG_SHARD_SETTLE, reqs, &local) {
+                if let Err(e) = r {
+                    self.recovery.settles_failed.fetch_add(1, Relaxed);
+                    debug!("pg {pool}.{pg:x}: settling rollback records on slot {slot}: {e}");
+                }
             }
         }
     }
@@ -1364,6 +1450,23 @@ impl SourceShard {
             SourceShard::Padded(v) => v,
         }
     }
+}
+
+/// (name, version) entries of a SHARD_SETTLE.
+type SettleEntries<'a> = Vec<(&'a [u8], u64)>;
+
+/// A SHARD_SETTLE body after pool and pg: shard u8, n u32, n × (name bytes, version u64).
+fn decode_settle<'a>(d: &mut Dec<'a>) -> Result<(u8, SettleEntries<'a>)> {
+    let shard = d.u8()?;
+    let n = d.u32()? as usize;
+    if n > d.remaining() / 12 {
+        return Err(Error::Malformed("shard settle: short entry list".into()));
+    }
+    let entries = (0..n)
+        .map(|_| Ok((d.bytes()?, d.u64()?)))
+        .collect::<Result<Vec<_>>>()?;
+    d.end()?;
+    Ok((shard, entries))
 }
 
 #[cfg(test)]
