@@ -943,7 +943,7 @@ fn overwrites_and_removes_give_back_the_space_of_the_old_bytes() {
         })
     };
     let dropped = || sum(&|d| d["recovery"]["rollbacks_dropped"].as_u64().unwrap());
-    let size = |i: usize| if i % 2 == 0 { 300_000 } else { 40_000 };
+    let size = |i: usize| if i.is_multiple_of(2) { 300_000 } else { 40_000 };
     let names: Vec<String> = (0..12).map(|i| format!("big-{i}")).collect();
     let before = live();
     for (i, n) in names.iter().enumerate() {

@@ -98,6 +98,8 @@ pub struct PgCache {
 
 /// Acknowledged writes a PG's primary holds for settling between batches.
 const SETTLE_PENDING_MAX: usize = 16 << 10;
+/// A range overwritten in place is settled from this many bytes on a shard.
+const SETTLE_RANGE_BYTES_MIN: usize = 64 << 10;
 
 /// Client mutations this primary applied recently, (client, `ClientOp::reqid`) → the version
 /// they made, so a resend of one (its reply was lost, or the client gave up waiting) is
@@ -1158,9 +1160,17 @@ impl Node {
         }
         let acked = acked?;
         // The slots that replaced existing bytes keep them for a rollback that will not
-        // come now: have them dropped.
+        // come now: have them dropped — whole shards replaced (an overwrite, a remove), and
+        // large ranges overwritten in place. A small range's record (and an append's, which
+        // replaced next to nothing) is left to the object's next write: dropping it would
+        // cost a block written per shard for a few KiB.
+        let in_place = matches!(m.data, Some(SubOp::Write { offset, .. }) if offset < st.size);
         let replaced = (0..n)
-            .filter(|s| kinds[*s].0 != WriteKind::Meta)
+            .filter(|&s| match kinds[s].0 {
+                WriteKind::Full => true,
+                WriteKind::Range => in_place && shards[s].len() >= SETTLE_RANGE_BYTES_MIN,
+                WriteKind::Meta => false,
+            })
             .fold(0u64, |a, s| a | bit(s))
             & acked;
         if st.exists() && replaced != 0 && c.to_settle.len() < SETTLE_PENDING_MAX {
