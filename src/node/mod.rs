@@ -119,6 +119,20 @@ struct PgSlot {
     queue: VecDeque<Job>,
     running: bool,
     cache: Arc<Mutex<PgCache>>,
+    /// The cache's `to_settle`, reachable without waiting for a running op.
+    to_settle: primary::ToSettle,
+}
+
+impl PgSlot {
+    pub(super) fn new() -> PgSlot {
+        let cache = PgCache::default();
+        PgSlot {
+            queue: VecDeque::new(),
+            running: false,
+            to_settle: cache.to_settle.clone(),
+            cache: Arc::new(Mutex::new(cache)),
+        }
+    }
 }
 
 struct Staged {
@@ -310,11 +324,7 @@ impl Node {
             }
         };
         let mut pgs = self.pgs.lock().unwrap();
-        let slot = pgs.entry(key).or_insert_with(|| PgSlot {
-            queue: VecDeque::new(),
-            running: false,
-            cache: Arc::new(Mutex::new(PgCache::default())),
-        });
+        let slot = pgs.entry(key).or_insert_with(PgSlot::new);
         op.event(Ev::Queued, NO_SHARD);
         if slot.running || !slot.queue.is_empty() {
             slot.queue.push_back((msg, op));
@@ -808,11 +818,7 @@ impl Node {
         loop {
             {
                 let mut pgs = self.pgs.lock().unwrap();
-                let slot = pgs.entry(key).or_insert_with(|| PgSlot {
-                    queue: VecDeque::new(),
-                    running: false,
-                    cache: Arc::new(Mutex::new(PgCache::default())),
-                });
+                let slot = pgs.entry(key).or_insert_with(PgSlot::new);
                 if !slot.running {
                     slot.running = true;
                     break;

@@ -92,9 +92,13 @@ pub struct PgCache {
     /// Acknowledged writes that replaced bytes: (name, version, slots) whose members keep a
     /// rollback record with the old bytes, no longer needed; sent to them in batches
     /// (`MSG_SHARD_SETTLE`, the recovery loop's `send_settles`). At most
-    /// [`SETTLE_PENDING_MAX`]: past that, records stay until the object's next write.
-    pub(super) to_settle: Vec<(Vec<u8>, u64, u64)>,
+    /// [`SETTLE_PENDING_MAX`]: past that, records stay until the object's next write. Its
+    /// own lock: the batch is taken without waiting for the PG's running op.
+    pub(super) to_settle: ToSettle,
 }
+
+/// Acknowledged writes to settle: (name, version, slots).
+pub(super) type ToSettle = Arc<Mutex<Vec<(Vec<u8>, u64, u64)>>>;
 
 /// Acknowledged writes a PG's primary holds for settling between batches.
 const SETTLE_PENDING_MAX: usize = 16 << 10;
@@ -1173,8 +1177,11 @@ impl Node {
             })
             .fold(0u64, |a, s| a | bit(s))
             & acked;
-        if st.exists() && replaced != 0 && c.to_settle.len() < SETTLE_PENDING_MAX {
-            c.to_settle.push((name.to_vec(), version, replaced));
+        if st.exists() && replaced != 0 {
+            let mut pending = c.to_settle.lock().unwrap();
+            if pending.len() < SETTLE_PENDING_MAX {
+                pending.push((name.to_vec(), version, replaced));
+            }
         }
         let new = ObjState {
             version,

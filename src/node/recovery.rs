@@ -1044,24 +1044,18 @@ impl Node {
     /// records it may drop (`PgCache::to_settle`), one SHARD_SETTLE per member and PG. A
     /// member that does not answer keeps its records (until the object's next write).
     fn send_settles(&self) {
-        type Caches = Vec<((u64, u32), Arc<Mutex<PgCache>>)>;
-        let pgs: Caches = self
+        let pgs: Vec<((u64, u32), super::primary::ToSettle)> = self
             .pgs
             .lock()
             .unwrap()
             .iter()
-            .map(|(k, s)| (*k, s.cache.clone()))
+            .map(|(k, s)| (*k, s.to_settle.clone()))
             .collect();
-        for ((pool, pg), cache) in pgs {
-            let list = {
-                let Ok(mut c) = cache.try_lock() else {
-                    continue; // an op is running: next time
-                };
-                if c.to_settle.is_empty() {
-                    continue;
-                }
-                std::mem::take(&mut c.to_settle)
-            };
+        for ((pool, pg), pending) in pgs {
+            let list = std::mem::take(&mut *pending.lock().unwrap());
+            if list.is_empty() {
+                continue;
+            }
             let Some(ctx) = self.recovery_ctx(pool, pg) else {
                 continue;
             };
@@ -1250,11 +1244,7 @@ impl Node {
             .lock()
             .unwrap()
             .entry((pool, pg))
-            .or_insert_with(|| super::PgSlot {
-                queue: VecDeque::new(),
-                running: false,
-                cache: Arc::new(Mutex::new(PgCache::default())),
-            })
+            .or_insert_with(super::PgSlot::new)
             .cache
             .clone()
     }
