@@ -44,6 +44,8 @@ pub const MSG_RECOVERY_READ: u16 = 43;
 pub const MSG_RECOVERY_WRITE: u16 = 44;
 /// Drop the rollback records of writes the primary saw acknowledged.
 pub const MSG_SHARD_SETTLE: u16 = 45;
+/// Ask a PG's primary whether the PG is clean (a former member may then remove its keys).
+pub const MSG_PG_CLEAN: u16 = 46;
 // Admin range 50..=59 (client → node, JSON replies; docs/operations.md).
 pub const MSG_ADMIN_PERF_DUMP: u16 = 50;
 pub const MSG_ADMIN_PERF_RESET: u16 = 51;

@@ -988,3 +988,78 @@ fn overwrites_and_removes_give_back_the_space_of_the_old_bytes() {
         assert!(c.get(pool, n.as_bytes()).is_err(), "{n} is gone");
     }
 }
+
+/// Mark `id` in through the CLI.
+fn mark_in(h: &Harness, id: u32) {
+    let out = Command::new(env!("CARGO_BIN_EXE_nvstore"))
+        .args(["node", "in", &id.to_string(), "--conf"])
+        .arg(h.lc.client_config())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "node in: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A node marked out while it runs keeps shards of PGs it is no longer a member of; marked
+/// in again, the nodes that stood in for it keep theirs. Each removes them once the PG is
+/// clean on its members (the primary says so): the stores' live bytes come back to what
+/// the data needs, and with two other nodes dead every object still reads back. Before,
+/// those stray shards kept their space for ever.
+#[test]
+fn shards_of_pgs_a_node_left_are_removed_once_the_pg_is_clean() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(5);
+    let c = &h.client;
+    let pool = c.create_pool("strays", 2, 2, 4096, 8, None).unwrap();
+    let objects = put_objects(c, pool, "s", 0, 30);
+    wait_recovered(c, |_| true);
+    let node_sum = |n: u32, f: &dyn Fn(&serde_json::Value) -> u64| f(&c.perf_dump(n).unwrap());
+    let live_of = |n: u32| {
+        node_sum(n, &|d| {
+            d["store"]["by_device"]
+                .as_object()
+                .unwrap()
+                .values()
+                .map(|v| v["live_bytes"].as_u64().unwrap())
+                .sum()
+        })
+    };
+    let removed = |n: u32| {
+        node_sum(n, &|d| {
+            d["recovery"]["stray_keys_removed"].as_u64().unwrap()
+        })
+    };
+    let total = || (1..=5).map(live_of).sum::<u64>();
+    let before = total();
+    let victim = 3;
+    assert!(live_of(victim) > 0);
+    mark_out(&h, victim);
+    wait_recovered(c, |s| {
+        s.pg_states.keys().all(|k| k == "active+clean") && s.recovery.objects_left == 0
+    });
+    // The node marked out gives back what it held once its PGs are clean elsewhere.
+    wait_until("the out node to remove its stray shards", || {
+        removed(victim) > 0 && live_of(victim) < before / 50
+    });
+    read_all(c, pool, &objects);
+    mark_in(&h, victim);
+    wait_recovered(c, |s| {
+        s.pg_states.keys().all(|k| k == "active+clean") && s.recovery.objects_left == 0
+    });
+    // The nodes that stood in for it give back theirs.
+    wait_until("the stand-ins to remove their stray shards", || {
+        total() < before + before / 20
+    });
+    assert!(
+        (1..=5).filter(|n| *n != victim).any(|n| removed(n) > 0),
+        "a stand-in removed keys"
+    );
+    assert!(live_of(victim) > 0, "the node is a member again");
+    read_all(c, pool, &objects);
+    let others: Vec<u32> = (1..=5).filter(|i| *i != victim).take(2).collect();
+    h.kill_nodes(&others);
+    read_all(c, pool, &objects);
+}

@@ -899,6 +899,33 @@ impl Local {
         Ok(rx.iter().take(started).filter(|ok| *ok).count() as u64)
     }
 
+    /// Remove these keys of store `st_idx` (a stray PG's shards, log entries and mark), each
+    /// only if still at the store version listed, in one durable transaction; forgets them
+    /// in the meta cache and the PG logs held in memory.
+    pub fn purge(&self, st_idx: usize, keys: &[(ObjectKey, u64)]) -> Result<()> {
+        let st = &self.stores[st_idx];
+        let mut t = Transaction::new();
+        for (k, v) in keys {
+            t.assert_version(k.clone(), *v);
+            t.remove(k.clone());
+        }
+        let r = st.commit(t);
+        let mut cache = self.meta_cache.lock().unwrap();
+        for (k, _) in keys {
+            cache.remove(k);
+        }
+        drop(cache);
+        for (k, _) in keys.iter().filter(|(k, _)| k.name.starts_with(b"\0log")) {
+            if let Some(b) = k.name.get(4..8) {
+                let pg = u32::from_be_bytes(b.try_into().expect("4 bytes"));
+                self.pg_logs.lock().unwrap().remove(&(k.pool, pg));
+                self.log_trimmed.lock().unwrap().remove(&(k.pool, pg));
+            }
+        }
+        r?;
+        Ok(())
+    }
+
     /// Start applying a small write that creates a shard, without blocking: no device read,
     /// no wait for the commit. `done` runs on the store's commit thread once the write is
     /// durable (`Some(Ok)`), failed (`Some(Err)`), or lost a race with another writer of the

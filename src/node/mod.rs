@@ -19,6 +19,7 @@ pub mod recovery;
 pub mod repair;
 pub mod salvage;
 pub mod scrub;
+pub mod strays;
 
 use std::collections::{HashMap, VecDeque};
 use std::path::Path;
@@ -170,6 +171,8 @@ pub struct Node {
     pub recovery: recovery::Recovery,
     /// Pings to the other nodes, for the heartbeat's failure reports.
     pub peer_ping: peerping::PeerPing,
+    /// Keys of PGs this node is no longer a member of.
+    pub strays: strays::Strays,
 }
 
 struct NodeDispatcher {
@@ -193,6 +196,7 @@ impl Dispatcher for NodeDispatcher {
                 | wire::MSG_RECOVERY_READ
                 | wire::MSG_RECOVERY_WRITE
                 | wire::MSG_SHARD_SETTLE
+                | wire::MSG_PG_CLEAN
                 | wire::MSG_SHARD_REPAIR
         )
     }
@@ -229,7 +233,8 @@ impl Dispatcher for NodeDispatcher {
             | wire::MSG_PG_MARK
             | wire::MSG_RECOVERY_READ
             | wire::MSG_RECOVERY_WRITE
-            | wire::MSG_SHARD_SETTLE => node.enqueue_recovery(msg),
+            | wire::MSG_SHARD_SETTLE
+            | wire::MSG_PG_CLEAN => node.enqueue_recovery(msg),
             t => {
                 let r = match t {
                     wire::MSG_CLIENT_STAGE => node.stage(&msg),
@@ -971,6 +976,7 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
         recovery_q: Arc::new(WaitQueue::new()),
         recovery: recovery::Recovery::default(),
         peer_ping: peerping::PeerPing::default(),
+        strays: strays::Strays::default(),
     });
     node.forget_marks_after_salvage();
     let _ = node.msgr.set(msgr.clone());

@@ -171,7 +171,7 @@ impl Node {
             driver::workload::peak_rss_kib(),
         );
         #[rustfmt::skip]
-        let rows: [(&'static str, Row); 42] = [
+        let rows: [(&'static str, Row); 44] = [
             ("client", ("read_ops", C, c.read_ops.load(Relaxed), "Client read ops run as primary")),
             ("client", ("write_ops", C, c.write_ops.load(Relaxed), "Client write ops run as primary")),
             ("client", ("read_bytes", C, c.read_bytes.load(Relaxed), "Bytes returned to clients")),
@@ -192,6 +192,8 @@ impl Node {
             ("recovery", ("rollbacks_dropped", C, self.recovery.rollbacks_dropped.load(Relaxed), "Rollback records of acknowledged writes dropped here on their primary's word (their old bytes freed)")),
             ("recovery", ("settles_sent", C, self.recovery.settles_sent.load(Relaxed), "Acknowledged writes, led here, whose members were told to drop their rollback records")),
             ("recovery", ("settles_failed", C, self.recovery.settles_failed.load(Relaxed), "SHARD_SETTLE requests a member did not answer (its records stay until the object's next write)")),
+            ("recovery", ("stray_keys_removed", C, self.strays.removed_keys.load(Relaxed), "Keys (shards, log entries, marks) removed of PGs this node is no longer a member of, once clean")),
+            ("recovery", ("stray_pgs_waiting", G, self.strays.pgs_waiting.load(Relaxed), "PGs this node holds keys of but is no longer a member of, not yet clean on their members")),
             ("recovery", ("marks_behind", G, self.marks_behind(), "PGs led here whose member marks lag acknowledged writes")),
             ("ec", ("encoded_bytes", C, e.encoded_bytes.load(Relaxed), "Data bytes encoded in full stripes")),
             ("ec", ("delta_bytes", C, e.delta_bytes.load(Relaxed), "Data bytes applied to parity by delta")),

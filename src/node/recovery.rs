@@ -507,6 +507,9 @@ impl Node {
         if !matches!(msg.peer(), messenger::Identity::Node(_)) {
             return Err(Error::remote(Status::Invalid, "recovery ops are for nodes"));
         }
+        if msg.msg_type() == wire::MSG_PG_CLEAN {
+            return Ok(vec![SendBuf::Vec(self.pg_clean(msg)?)]);
+        }
         let p: &[u8] = msg.payload();
         let mut d = Dec::new(p);
         let epoch = d.u64()?;
@@ -522,13 +525,17 @@ impl Node {
         let mut e = Enc::new(self.epoch());
         e.u16(Status::Ok as u16);
         match msg.msg_type() {
+            // Not while a batch removes a stray PG's keys (`strays`): the listing would show
+            // keys about to go.
             wire::MSG_SHARD_LIST => {
                 let (after, max) = (d.bytes()?, d.u32()?);
                 d.end()?;
+                let _g = self.strays.gate.lock().unwrap();
                 self.encode_pg_list(&mut e, pool, pg, after, max)?;
             }
             wire::MSG_PG_LOG => {
                 d.end()?;
+                let _g = self.strays.gate.lock().unwrap();
                 self.log_info(pool, pg)?.encode(&mut e);
             }
             wire::MSG_PG_MARK => {
@@ -696,6 +703,7 @@ impl Node {
         let mut retry_at = Instant::now();
         let mut next_tick = Instant::now() + TICK;
         let mut next_marks = Instant::now() + MARK_REFRESH;
+        let mut next_strays = Instant::now() + super::strays::STRAY_PERIOD;
         loop {
             let map = self.monc.map();
             let key = (
@@ -736,6 +744,10 @@ impl Node {
                 self.send_settles();
                 next_marks = Instant::now() + MARK_REFRESH;
             }
+            if Instant::now() >= next_strays {
+                self.sweep_strays();
+                next_strays = Instant::now() + super::strays::STRAY_PERIOD;
+            }
             match dirty.pop_first() {
                 Some((pool, pg)) => {
                     if let Err(e) = self.plan(pool, pg) {
@@ -771,7 +783,7 @@ impl Node {
         r.rate_bits.store(rate.to_bits(), Relaxed);
     }
 
-    fn recovery_ctx(&self, pool: u64, pg: u32) -> Option<Ctx> {
+    pub(super) fn recovery_ctx(&self, pool: u64, pg: u32) -> Option<Ctx> {
         let map = self.monc.map();
         let info = map.pools.get(&pool)?.clone();
         let acting = (*self.monc.acting(&map, &info, pg)).clone();

@@ -1,0 +1,274 @@
+//! Stray shards: what a node holds of PGs it is no longer a member of.
+//!
+//! A node marked out, or a node that stood in for it and gave its slots back when it came
+//! back in, keeps its shards of the PGs that moved away: nothing reads them (resolve, reads
+//! and recovery ask the current members only), and they held their space for ever. Each
+//! node now looks for such PGs when the map's membership changes (`node-recovery` thread,
+//! every [`STRAY_PERIOD`] while any are left): a scan of its stores' keys finds the PGs it
+//! holds keys of but is not a member of; it asks each one's primary whether the PG is clean
+//! (`MSG_PG_CLEAN`: every member up and complete — the primary's last recovery pass at the
+//! current node-change epoch left them all current), and removes its keys of the clean ones:
+//! PG log entries and the recovery mark first (they sort first), then the shards and their
+//! spilled rollback bytes, [`PURGE_BATCH`] keys per transaction. Each removal asserts the
+//! store version it listed (a write since — the node became a member again — stops the
+//! pass), each batch re-checks the map's membership epoch, and the batches and the
+//! recovery listings (`SHARD_LIST`, `PG_LOG`) exclude each other (`Strays::gate`), so a
+//! primary that makes this node a member again never lists keys a batch then removes.
+//! Like Ceph removing a PG from an OSD that is no longer in its acting set once it is clean.
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use messenger::{Incoming, OutMessage};
+use store::ObjectKey;
+use tracing::{debug, info};
+
+use super::Node;
+use crate::error::Result;
+use crate::map::{ClusterMap, PoolInfo};
+use crate::placement::{pg_members, pg_of, Acting};
+use crate::wire::{self, Dec, Enc};
+
+/// How often a node looks for stray PGs again while some are left.
+pub const STRAY_PERIOD: Duration = Duration::from_secs(10);
+/// Keys removed per transaction.
+const PURGE_BATCH: usize = 128;
+/// Longest wait for a primary's answer about its PG.
+const ASK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// (membership epoch, pool ids): what decides which PGs are stray.
+type SweepKey = (u64, Vec<u64>);
+/// Pool → stray PGs.
+type StrayPgs = BTreeMap<u64, BTreeSet<u32>>;
+
+#[derive(Default)]
+pub struct Strays {
+    /// The stray PGs (pool → PGs) a scan found at this membership, less those removed since:
+    /// while some wait to be clean, a sweep asks their primaries again without a new scan.
+    left: Mutex<Option<(SweepKey, StrayPgs)>>,
+    /// Keys of stray PGs removed.
+    pub removed_keys: AtomicU64,
+    /// Stray PGs found at the last sweep that were not clean yet (gauge).
+    pub pgs_waiting: AtomicU64,
+    /// Held by a removal batch, and by the recovery listings of a PG's keys.
+    pub(super) gate: Mutex<()>,
+}
+
+/// The PG a store key of `pool` belongs to: a shard's by its name, a PG log entry's or
+/// recovery mark's from the name; `None` for other internal keys.
+fn pg_of_key(info: &PoolInfo, k: &ObjectKey) -> Option<u32> {
+    match k.name.first() {
+        Some(0) if k.name.starts_with(b"\0log") || k.name.starts_with(b"\0rec") => k
+            .name
+            .get(4..8)
+            .map(|b| u32::from_be_bytes(b.try_into().expect("4 bytes"))),
+        Some(0) | None => None,
+        Some(_) => Some(pg_of(info, &k.name)),
+    }
+}
+
+impl Node {
+    /// One sweep (see the module docs). The stores are scanned for stray PGs once per
+    /// membership; later sweeps ask again only about the ones not yet removed (and cost
+    /// nothing once none are left).
+    pub(super) fn sweep_strays(&self) {
+        let map = self.monc.map();
+        let key: SweepKey = (
+            map.membership_epoch,
+            map.pools.keys().copied().collect::<Vec<_>>(),
+        );
+        let mut left = {
+            let cached = self.strays.left.lock().unwrap();
+            match cached.as_ref() {
+                Some((k, left)) if *k == key => left.clone(),
+                _ => {
+                    drop(cached);
+                    self.find_strays(&map)
+                }
+            }
+        };
+        let mut waiting = 0;
+        for (pool, pgs) in left.iter_mut() {
+            let Some(info) = map.pools.get(pool) else {
+                pgs.clear();
+                continue;
+            };
+            let clean: HashSet<u32> = pgs
+                .iter()
+                .copied()
+                .filter(|pg| self.clean_at_primary(&map, info, *pg))
+                .collect();
+            if !clean.is_empty() && self.purge_pgs(&map, info, &clean) {
+                pgs.retain(|pg| !clean.contains(pg));
+            }
+            waiting += pgs.len();
+        }
+        left.retain(|_, pgs| !pgs.is_empty());
+        self.strays.pgs_waiting.store(waiting as u64, Relaxed);
+        *self.strays.left.lock().unwrap() = Some((key, left));
+    }
+
+    /// Pool → the PGs this node's stores hold keys of but the map does not make it a member of.
+    fn find_strays(&self, map: &ClusterMap) -> StrayPgs {
+        let mut out = BTreeMap::new();
+        for info in map.pools.values() {
+            let mine: HashSet<u32> = (0..info.pg_num)
+                .filter(|pg| pg_members(map, info, *pg).contains(&Some(self.id)))
+                .collect();
+            let stray: BTreeSet<u32> = self
+                .local_pgs(info)
+                .into_iter()
+                .filter(|pg| !mine.contains(pg))
+                .collect();
+            if !stray.is_empty() {
+                out.insert(info.id, stray);
+            }
+        }
+        out
+    }
+
+    /// The PGs of `info` this node's stores hold any key of.
+    fn local_pgs(&self, info: &PoolInfo) -> BTreeSet<u32> {
+        let mut pgs = BTreeSet::new();
+        for st in &self.local.stores {
+            let mut from: Option<ObjectKey> = None;
+            loop {
+                let batch = st.list(info.id, from.as_ref(), 1024);
+                let Some(last) = batch.last().map(|(k, _)| k.clone()) else {
+                    break;
+                };
+                pgs.extend(batch.iter().filter_map(|(k, _)| pg_of_key(info, k)));
+                from = Some(last);
+            }
+        }
+        pgs
+    }
+
+    /// Whether `pg`'s primary says it is clean (every member up and current).
+    fn clean_at_primary(&self, map: &ClusterMap, info: &PoolInfo, pg: u32) -> bool {
+        let Some(primary) = Acting::compute(map, info, pg).primary else {
+            return false;
+        };
+        let mut e = Enc::new(map.epoch);
+        e.u64(info.id).u32(pg);
+        let r = self.peer(primary).and_then(|c| {
+            let reply = c.request(OutMessage::new(wire::MSG_PG_CLEAN, e.finish()), ASK_TIMEOUT)?;
+            Ok(wire::parse_reply(&reply.payload)?.1.first() == Some(&1))
+        });
+        r.unwrap_or_else(|e| {
+            debug!(
+                "strays: asking node {primary} about pg {}.{pg:x}: {e}",
+                info.id
+            );
+            false
+        })
+    }
+
+    /// Remove this node's keys of the `pgs` of `info`; false if the pass stopped early (the
+    /// membership changed, or a key changed under it).
+    fn purge_pgs(&self, map: &ClusterMap, info: &PoolInfo, pgs: &HashSet<u32>) -> bool {
+        let mut removed = 0u64;
+        for st_idx in 0..self.local.stores.len() {
+            let st = &self.local.stores[st_idx];
+            let mut from: Option<ObjectKey> = None;
+            loop {
+                let listed = st.list(info.id, from.as_ref(), PURGE_BATCH);
+                let Some(last) = listed.last().map(|(k, _)| k.clone()) else {
+                    break;
+                };
+                let batch: Vec<(ObjectKey, u64)> = listed
+                    .into_iter()
+                    .filter(|(k, _)| pg_of_key(info, k).is_some_and(|pg| pgs.contains(&pg)))
+                    .map(|(k, s)| (k, s.version))
+                    .collect();
+                from = Some(last);
+                if batch.is_empty() {
+                    continue;
+                }
+                let _g = self.strays.gate.lock().unwrap();
+                if self.monc.map().membership_epoch != map.membership_epoch {
+                    return false;
+                }
+                match self.local.purge(st_idx, &batch) {
+                    Ok(()) => removed += batch.len() as u64,
+                    Err(e) => {
+                        debug!("strays: removing keys of pool {}: {e}", info.id);
+                        return false;
+                    }
+                }
+            }
+        }
+        self.strays.removed_keys.fetch_add(removed, Relaxed);
+        info!(
+            "removed {removed} keys of {} PG(s) of pool {} that this node is no longer a member of",
+            pgs.len(),
+            info.id
+        );
+        true
+    }
+
+    /// `MSG_PG_CLEAN` at a PG's primary: 1 if every member is up and the last recovery pass,
+    /// at the current node-change epoch and with the current members, left them all current;
+    /// else 0 (also when this node does not lead the PG, or its map differs from the asker's).
+    pub(super) fn pg_clean(&self, msg: &Incoming) -> Result<Vec<u8>> {
+        let mut d = Dec::new(msg.payload());
+        let epoch = d.u64()?;
+        let (pool, pg) = (d.u64()?, d.u32()?);
+        d.end()?;
+        if epoch > self.epoch() {
+            self.monc.wait_epoch(epoch, ASK_TIMEOUT);
+        }
+        let clean = epoch == self.epoch()
+            && self.recovery_ctx(pool, pg).is_some_and(|ctx| {
+                ctx.acting.up_count == ctx.n()
+                    && self
+                        .pgs
+                        .lock()
+                        .unwrap()
+                        .get(&(pool, pg))
+                        .and_then(|s| {
+                            let c = s.cache.try_lock().ok()?;
+                            Some(
+                                c.complete_at == Some(self.monc.node_change_epoch())
+                                    && c.members == ctx.acting.members,
+                            )
+                        })
+                        .unwrap_or(false)
+            });
+        Ok(wire::reply_ok(self.epoch(), &[clean as u8]))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Shards by their names' PG; PG log entries and recovery marks by the PG in their names;
+    /// other internal keys belong to no PG.
+    #[test]
+    fn keys_belong_to_the_pg_of_their_name() {
+        let info = PoolInfo {
+            id: 4,
+            name: "p".into(),
+            k: 2,
+            m: 2,
+            stripe_unit: 4096,
+            pg_num: 16,
+            min_size: 3,
+        };
+        let shard = ObjectKey::new(4, b"obj-1", 2);
+        assert_eq!(pg_of_key(&info, &shard), Some(pg_of(&info, b"obj-1")));
+        let spilled = ObjectKey::new(4, b"obj-1", 2 | super::super::local::SHARD_ROLLBACK_BIT);
+        assert_eq!(pg_of_key(&info, &spilled), Some(pg_of(&info, b"obj-1")));
+        let mut log = b"\0log".to_vec();
+        log.extend_from_slice(&11u32.to_be_bytes());
+        log.extend_from_slice(&7u64.to_be_bytes());
+        log.extend_from_slice(b"obj-1");
+        assert_eq!(pg_of_key(&info, &ObjectKey::new(4, log, 0xFE)), Some(11));
+        let mark = super::super::recovery::mark_key(4, 9);
+        assert_eq!(pg_of_key(&info, &mark), Some(9));
+        assert_eq!(pg_of_key(&info, &ObjectKey::new(4, b"\0other", 0)), None);
+    }
+}
