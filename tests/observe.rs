@@ -523,6 +523,7 @@ fn counters_slow_ops_metrics_and_thread_names() {
             "node-peer-ping",
             "node-peer-dial",
             "node-scrub",
+            "node-strays",
             "node-recovery",
             "node-rebuild-",
             "node-rshard-",

@@ -1058,6 +1058,11 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
         .name("node-scrub".into())
         .spawn(move || n.scrub_loop())
         .map_err(|e| Error::io("spawn", e))?;
+    let n = node.clone();
+    std::thread::Builder::new()
+        .name("node-strays".into())
+        .spawn(move || n.strays_loop())
+        .map_err(|e| Error::io("spawn", e))?;
     if !node.salvage_reports().is_empty() {
         let n = node.clone();
         let epoch = r.epoch;

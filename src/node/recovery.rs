@@ -360,7 +360,7 @@ impl Recovery {
 const RECOVERY_NICE: i32 = 10;
 
 /// Lower the calling thread's CPU priority to [`RECOVERY_NICE`] (Linux: per thread).
-fn lower_cpu_priority() {
+pub(super) fn lower_cpu_priority() {
     // SAFETY: setpriority on the calling thread (who = 0); no memory is passed.
     let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, RECOVERY_NICE) };
     if r != 0 {
@@ -703,7 +703,6 @@ impl Node {
         let mut retry_at = Instant::now();
         let mut next_tick = Instant::now() + TICK;
         let mut next_marks = Instant::now() + MARK_REFRESH;
-        let mut next_strays = Instant::now() + super::strays::STRAY_PERIOD;
         loop {
             let map = self.monc.map();
             let key = (
@@ -743,10 +742,6 @@ impl Node {
                 self.refresh_marks();
                 self.send_settles();
                 next_marks = Instant::now() + MARK_REFRESH;
-            }
-            if Instant::now() >= next_strays {
-                self.sweep_strays();
-                next_strays = Instant::now() + super::strays::STRAY_PERIOD;
             }
             match dirty.pop_first() {
                 Some((pool, pg)) => {

@@ -3,8 +3,8 @@
 //! A node marked out, or a node that stood in for it and gave its slots back when it came
 //! back in, keeps its shards of the PGs that moved away: nothing reads them (resolve, reads
 //! and recovery ask the current members only), and they held their space for ever. Each
-//! node now looks for such PGs when the map's membership changes (`node-recovery` thread,
-//! every [`STRAY_PERIOD`] while any are left): a scan of its stores' keys finds the PGs it
+//! node now looks for such PGs when the map's membership changes (`node-strays` thread, at
+//! lowered CPU priority; again every [`STRAY_PERIOD`] while any are left): a scan of its stores' keys finds the PGs it
 //! holds keys of but is not a member of; it asks each one's primary whether the PG is clean
 //! (`MSG_PG_CLEAN`: every member up and complete — the primary's last recovery pass at the
 //! current node-change epoch left them all current), and removes its keys of the clean ones:
@@ -70,6 +70,18 @@ fn pg_of_key(info: &PoolInfo, k: &ObjectKey) -> Option<u32> {
 }
 
 impl Node {
+    /// `node-strays`: a sweep every [`STRAY_PERIOD`] (one after the map changes).
+    pub(super) fn strays_loop(self: std::sync::Arc<Self>) {
+        super::recovery::lower_cpu_priority();
+        loop {
+            let epoch = self.monc.epoch();
+            self.monc.wait_change(epoch, STRAY_PERIOD);
+            // Let the map settle and recovery plan first.
+            std::thread::sleep(Duration::from_secs(1));
+            self.sweep_strays();
+        }
+    }
+
     /// One sweep (see the module docs). The stores are scanned for stray PGs once per
     /// membership; later sweeps ask again only about the ones not yet removed (and cost
     /// nothing once none are left).
