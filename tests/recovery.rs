@@ -970,14 +970,34 @@ fn overwrites_and_removes_give_back_the_space_of_the_old_bytes() {
         over < one_copy * 5 / 4,
         "{over} live after the overwrites ({one_copy} data)"
     );
+    // 200 kB written in place at the start of each 300 kB object: ~100 kB on each of the
+    // four shards, whose old bytes go too (a range under 64 KiB a shard would keep them).
+    let mut want: Vec<Vec<u8>> = (0..12).map(|i| bytes(100 + i as u64, size(i))).collect();
+    for (i, n) in names
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| size(*i) == 300_000)
+    {
+        let patch = bytes(200 + i as u64, 200_000);
+        c.write(pool, n.as_bytes(), 0, &patch).unwrap();
+        want[i][..200_000].copy_from_slice(&patch);
+    }
+    wait_until("the range writes' rollback records to be dropped", || {
+        dropped() >= 12 * 4 + 6 * 4
+    });
+    let ranged = live() - before;
+    assert!(
+        ranged < one_copy * 5 / 4,
+        "{ranged} live after the range writes ({one_copy} data)"
+    );
     for (i, n) in names.iter().enumerate() {
-        assert!(c.get(pool, n.as_bytes()).unwrap() == bytes(100 + i as u64, size(i)));
+        assert!(c.get(pool, n.as_bytes()).unwrap() == want[i]);
     }
     for n in &names {
         c.remove(pool, n.as_bytes()).unwrap();
     }
     wait_until("the removes' rollback records to be dropped", || {
-        dropped() >= 2 * 12 * 4
+        dropped() >= 2 * 12 * 4 + 6 * 4
     });
     let gone = live() - before;
     assert!(
