@@ -922,7 +922,8 @@ fn appends_land_exactly_once_while_primaries_are_killed_and_restarted() {
 /// the members drop those records (SHARD_SETTLE). So the stores' live bytes come back to one
 /// copy after overwrites, and to next to nothing after removes — they stayed at two copies,
 /// and a removed object's bytes stayed live, before. Objects of 300 kB keep their old shard
-/// bytes in an object of their own, 40 kB ones inline in the record.
+/// bytes in an object of their own, 40 kB ones inline in the record; a 200 kB write in place
+/// (~100 kB a shard) has its old bytes dropped too.
 #[test]
 fn overwrites_and_removes_give_back_the_space_of_the_old_bytes() {
     let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
