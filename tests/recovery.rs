@@ -120,19 +120,24 @@ fn a_node_marked_out_is_rebuilt_on_new_members_and_redundancy_is_restored() {
     );
 }
 
-/// Mark `id` out (its process already stopped) through the CLI.
+/// Mark `id` out through the CLI.
 fn mark_out(h: &Harness, id: u32) {
+    mark(h, id, "out");
+}
+
+/// `nvstore node in|out ID` through the CLI.
+fn mark(h: &Harness, id: u32, how: &str) {
     let out = Command::new(env!("CARGO_BIN_EXE_nvstore"))
-        .args(["node", "out", &id.to_string(), "--conf"])
+        .args(["node", how, &id.to_string(), "--conf"])
         .arg(h.lc.client_config())
         .output()
         .unwrap();
     assert!(
         out.status.success(),
-        "node out: {}",
+        "node {how}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(String::from_utf8_lossy(&out.stdout).contains("marked out"));
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("marked {how}")));
 }
 
 /// Shard bytes recovery wrote, summed over the nodes that are not `except`.
@@ -1010,20 +1015,6 @@ fn overwrites_and_removes_give_back_the_space_of_the_old_bytes() {
     }
 }
 
-/// Mark `id` in through the CLI.
-fn mark_in(h: &Harness, id: u32) {
-    let out = Command::new(env!("CARGO_BIN_EXE_nvstore"))
-        .args(["node", "in", &id.to_string(), "--conf"])
-        .arg(h.lc.client_config())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "node in: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// A node marked out while it runs keeps shards of PGs it is no longer a member of; marked
 /// in again, the nodes that stood in for it keep theirs. Each removes them once the PG is
 /// clean on its members (the primary says so): the stores' live bytes come back to what
@@ -1066,7 +1057,7 @@ fn shards_of_pgs_a_node_left_are_removed_once_the_pg_is_clean() {
         removed(victim) > 0 && live_of(victim) < before / 50
     });
     read_all(c, pool, &objects);
-    mark_in(&h, victim);
+    mark(&h, victim, "in");
     wait_recovered(c, |s| {
         s.pg_states.keys().all(|k| k == "active+clean") && s.recovery.objects_left == 0
     });
