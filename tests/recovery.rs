@@ -685,6 +685,27 @@ fn survivors_stop_redialling_a_node_marked_down_and_reconnect_when_it_is_back() 
     read_all(c, pool, &objects);
 }
 
+/// Append request 77 ("entry;") to `log` = "start;" through its primary, run `between`
+/// (other writes), kill that primary, and send request 77 again, to the new one: (harness,
+/// pool, the raw messenger, the version the first send made, the version the resend got).
+fn resend_after_the_primary_dies(
+    pool_name: &str,
+    between: impl Fn(&Client, u64),
+) -> (Harness, u64, messenger::Messenger, u64, u64) {
+    let h = cluster(4);
+    let c = &h.client;
+    let pool = c.create_pool(pool_name, 2, 2, 4096, 8, None).unwrap();
+    c.put(pool, b"log", b"start;").unwrap();
+    let m = h.raw_messenger(messenger::Identity::Client(4343));
+    let (first, v1) = h.raw_append(&m, pool, b"log", 77);
+    between(c, pool);
+    h.kill_nodes(&[first]);
+    wait_up(c, first, false);
+    let (second, v2) = h.raw_append(&m, pool, b"log", 77);
+    assert_ne!(second, first, "the PG has a new primary");
+    (h, pool, m, v1, v2)
+}
+
 /// A resend that reaches a new primary — the first one died before its reply got out — is
 /// recognised by the object: each shard keeps the request id of the write that made its
 /// version, so the new primary answers with that version instead of applying it again. A new
@@ -692,16 +713,8 @@ fn survivors_stop_redialling_a_node_marked_down_and_reconnect_when_it_is_back() 
 #[test]
 fn a_resend_to_a_new_primary_is_recognised_by_the_object() {
     let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let h = cluster(4);
+    let (h, pool, m, v1, v2) = resend_after_the_primary_dies("resend", |_, _| {});
     let c = &h.client;
-    let pool = c.create_pool("resend", 2, 2, 4096, 8, None).unwrap();
-    c.put(pool, b"log", b"start;").unwrap();
-    let m = h.raw_messenger(messenger::Identity::Client(4343));
-    let (first, v1) = h.raw_append(&m, pool, b"log", 77);
-    h.kill_nodes(&[first]);
-    wait_up(c, first, false);
-    let (second, v2) = h.raw_append(&m, pool, b"log", 77);
-    assert_ne!(second, first, "the PG has a new primary");
     assert_eq!(v2, v1, "the resend reports the version the first send made");
     assert_eq!(c.get(pool, b"log").unwrap(), b"start;entry;");
     assert_eq!(c.stat(pool, b"log").unwrap().version, v1);
@@ -717,19 +730,12 @@ fn a_resend_to_a_new_primary_is_recognised_by_the_object() {
 #[test]
 fn a_resend_to_a_new_primary_is_recognised_after_the_object_was_written_again() {
     let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let h = cluster(4);
+    let (h, pool, m, v1, v2) = resend_after_the_primary_dies("resend2", |c, pool| {
+        c.append(pool, b"log", b"other;").unwrap();
+        c.set_xattr(pool, b"log", "k", b"v").unwrap();
+    });
     let c = &h.client;
-    let pool = c.create_pool("resend2", 2, 2, 4096, 8, None).unwrap();
-    c.put(pool, b"log", b"start;").unwrap();
-    let m = h.raw_messenger(messenger::Identity::Client(4343));
-    let (first, v1) = h.raw_append(&m, pool, b"log", 77);
-    c.append(pool, b"log", b"other;").unwrap();
-    c.set_xattr(pool, b"log", "k", b"v").unwrap();
     assert!(c.stat(pool, b"log").unwrap().version > v1);
-    h.kill_nodes(&[first]);
-    wait_up(c, first, false);
-    let (second, v2) = h.raw_append(&m, pool, b"log", 77);
-    assert_ne!(second, first, "the PG has a new primary");
     assert_eq!(v2, v1, "the resend reports the version the first send made");
     assert_eq!(c.get(pool, b"log").unwrap(), b"start;entry;other;");
     m.shutdown();
