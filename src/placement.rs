@@ -362,11 +362,12 @@ impl Acting {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::map::{Change, Incremental, NodeInfo, WEIGHT_ONE};
 
-    fn node(id: u32, host: &str) -> NodeInfo {
+    /// An up, in node of weight one on `host` (test maps, here and in `node::peerping`).
+    pub(crate) fn node(id: u32, host: &str) -> NodeInfo {
         NodeInfo {
             id,
             addr: format!("127.0.0.1:{}", 7000 + id).parse().unwrap(),
@@ -380,7 +381,8 @@ mod tests {
         }
     }
 
-    fn pool(pg_num: u32) -> PoolInfo {
+    /// Pool 1, EC 6+2 with `pg_num` PGs.
+    pub(crate) fn pool(pg_num: u32) -> PoolInfo {
         PoolInfo {
             id: 1,
             name: "p".into(),
@@ -392,7 +394,8 @@ mod tests {
         }
     }
 
-    fn map_of(nodes: Vec<NodeInfo>) -> ClusterMap {
+    /// A map at epoch 1 where these nodes booted.
+    pub(crate) fn map_of(nodes: Vec<NodeInfo>) -> ClusterMap {
         let mut m = ClusterMap::new("f".into());
         m.apply(&Incremental {
             epoch: 1,

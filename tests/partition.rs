@@ -10,7 +10,9 @@ mod common;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::{bytes, put_objects, read_all, wait_recovered, wait_until, wait_up, Harness, WAIT};
+use common::{
+    bytes, counter, put_objects, read_all, wait_recovered, wait_until, wait_up, Harness, WAIT,
+};
 use nvstore::cluster_cmd::LocalOptions;
 use nvstore::config::{write_toml, ClientConfig, MonitorConfig};
 use nvstore::monitor::StatusReport;
@@ -409,12 +411,6 @@ fn a_late_request_to_a_healed_primary_does_not_undo_a_newer_write() {
 /// Client write ops node `id` has run as primary (its perf counters).
 fn write_ops(c: &Client, id: u32) -> u64 {
     counter(c, id, "client", "write_ops")
-}
-
-fn counter(c: &Client, id: u32, group: &str, name: &str) -> u64 {
-    c.perf_dump(id).unwrap()[group][name]
-        .as_u64()
-        .unwrap_or_else(|| panic!("node {id} has no counter {group}.{name}"))
 }
 
 /// Writers overwrite their objects without pause while one node after another is cut off

@@ -8,7 +8,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use common::{
-    bytes, put_objects, read_all, size_of, wait_recovered, wait_until, wait_up, Harness, WAIT,
+    bytes, counter, live_bytes, put_objects, read_all, size_of, wait_recovered, wait_until,
+    wait_up, Harness, WAIT,
 };
 use nvstore::cluster_cmd::{render_status, LocalOptions};
 use nvstore::monitor::StatusReport;
@@ -941,20 +942,12 @@ fn overwrites_and_removes_give_back_the_space_of_the_old_bytes() {
     let h = cluster(4);
     let c = &h.client;
     let pool = c.create_pool("space", 2, 2, 4096, 8, None).unwrap();
-    let sum = |f: &dyn Fn(&serde_json::Value) -> u64| -> u64 {
-        (1..=4).map(|n| f(&c.perf_dump(n).unwrap())).sum()
+    let live = || (1..=4).map(|n| live_bytes(c, n)).sum::<u64>();
+    let dropped = || {
+        (1..=4)
+            .map(|n| counter(c, n, "recovery", "rollbacks_dropped"))
+            .sum::<u64>()
     };
-    let live = || {
-        sum(&|d| {
-            d["store"]["by_device"]
-                .as_object()
-                .unwrap()
-                .values()
-                .map(|v| v["live_bytes"].as_u64().unwrap())
-                .sum()
-        })
-    };
-    let dropped = || sum(&|d| d["recovery"]["rollbacks_dropped"].as_u64().unwrap());
     let size = |i: usize| if i.is_multiple_of(2) { 300_000 } else { 40_000 };
     let names: Vec<String> = (0..12).map(|i| format!("big-{i}")).collect();
     let before = live();
@@ -1034,22 +1027,8 @@ fn shards_of_pgs_a_node_left_are_removed_once_the_pg_is_clean() {
     let pool = c.create_pool("strays", 2, 2, 4096, 8, None).unwrap();
     let objects = put_objects(c, pool, "s", 0, 30);
     wait_recovered(c, |_| true);
-    let node_sum = |n: u32, f: &dyn Fn(&serde_json::Value) -> u64| f(&c.perf_dump(n).unwrap());
-    let live_of = |n: u32| {
-        node_sum(n, &|d| {
-            d["store"]["by_device"]
-                .as_object()
-                .unwrap()
-                .values()
-                .map(|v| v["live_bytes"].as_u64().unwrap())
-                .sum()
-        })
-    };
-    let removed = |n: u32| {
-        node_sum(n, &|d| {
-            d["recovery"]["stray_keys_removed"].as_u64().unwrap()
-        })
-    };
+    let live_of = |n: u32| live_bytes(c, n);
+    let removed = |n: u32| counter(c, n, "recovery", "stray_keys_removed");
     let total = || (1..=5).map(live_of).sum::<u64>();
     let before = total();
     let victim = 3;

@@ -201,36 +201,18 @@ impl Node {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::map::{Change, Incremental, NodeInfo, PoolInfo, WEIGHT_ONE};
+    use crate::map::{Change, Incremental};
     use crate::placement::Acting;
 
+    /// `nodes` nodes on hosts of their own and pool 1 (6+2) with `pg_num` PGs.
     fn map_of(nodes: u32, pg_num: u32) -> ClusterMap {
-        let mut m = ClusterMap::new("f".into());
-        let mut changes: Vec<Change> = (1..=nodes)
-            .map(|id| {
-                Change::NodeBoot(NodeInfo {
-                    id,
-                    addr: format!("127.0.0.1:{}", 7000 + id).parse().unwrap(),
-                    host: format!("h{id}"),
-                    weight: WEIGHT_ONE,
-                    up: true,
-                    r#in: true,
-                    devices: vec![],
-                    up_from: 0,
-                    auto_out: false,
-                })
-            })
-            .collect();
-        changes.push(Change::PoolCreate(PoolInfo {
-            id: 1,
-            name: "p".into(),
-            k: 6,
-            m: 2,
-            stripe_unit: 4096,
-            pg_num,
-            min_size: 7,
-        }));
-        m.apply(&Incremental { epoch: 1, changes }).unwrap();
+        use crate::placement::tests::{map_of, node, pool};
+        let mut m = map_of((1..=nodes).map(|i| node(i, &format!("h{i}"))).collect());
+        m.apply(&Incremental {
+            epoch: 2,
+            changes: vec![Change::PoolCreate(pool(pg_num))],
+        })
+        .unwrap();
         m
     }
 

@@ -203,3 +203,20 @@ impl Harness {
         (primary, version)
     }
 }
+
+/// Counter `group.name` of node `id`'s `perf dump`.
+pub fn counter(c: &Client, id: u32, group: &str, name: &str) -> u64 {
+    c.perf_dump(id).unwrap()[group][name]
+        .as_u64()
+        .unwrap_or_else(|| panic!("node {id} has no counter {group}.{name}"))
+}
+
+/// Live bytes of node `id`'s stores (`perf dump`'s `store.by_device.*.live_bytes`), summed.
+pub fn live_bytes(c: &Client, id: u32) -> u64 {
+    c.perf_dump(id).unwrap()["store"]["by_device"]
+        .as_object()
+        .expect("store.by_device")
+        .values()
+        .map(|v| v["live_bytes"].as_u64().expect("live_bytes"))
+        .sum()
+}
