@@ -49,6 +49,8 @@ pub struct LocalOptions {
     pub read_coalescing: bool,
     /// Nodes' `read_cache_bytes`.
     pub read_cache_bytes: u64,
+    /// Nodes' `tombstone_keep_s`.
+    pub tombstone_keep_s: u64,
     /// Every member in a network namespace of its own on one bridge (`netns.rs`; root and
     /// iproute2), so a member's network can be cut without stopping it. Off: loopback.
     pub netns: bool,
@@ -68,6 +70,7 @@ impl Default for LocalOptions {
             slow_op_ms: 5000,
             read_coalescing: true,
             read_cache_bytes: crate::node::local::READ_CACHE_BYTES_DEFAULT,
+            tombstone_keep_s: crate::config::default_tombstone_keep_s(),
             netns: false,
         }
     }
@@ -210,6 +213,7 @@ impl LocalCluster {
                     read_coalescing: o.read_coalescing,
                     hot_cache_bytes: crate::node::hot::CACHE_BYTES_DEFAULT,
                     read_cache_bytes: o.read_cache_bytes,
+                    tombstone_keep_s: o.tombstone_keep_s,
                     inject_boot_delay_ms: 0,
                 },
             )?;

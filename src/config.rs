@@ -127,6 +127,13 @@ pub struct NodeConfig {
     /// 0: none).
     #[serde(default = "default_read_cache_bytes")]
     pub read_cache_bytes: u64,
+    /// How long the members of a PG keep a removed object's tombstone (its shards' index
+    /// entries and records) after the remove was acknowledged: a client that resends the
+    /// remove within this time (its reply was lost) gets the remove's own answer. After it the
+    /// members forget the object entirely (`MSG_SHARD_FORGET`). Keep it well above the
+    /// clients' `op_timeout_ms`.
+    #[serde(default = "default_tombstone_keep_s")]
+    pub tombstone_keep_s: u64,
     /// Fault injection for tests: wait this long after the node starts serving before it
     /// registers (Boot) with the monitor, holding open the window in which it must refuse
     /// shard ops (`tests/recovery.rs`). 0, the default, in any real deployment.
@@ -157,6 +164,11 @@ fn default_hot_cache_bytes() -> u64 {
 }
 fn default_read_cache_bytes() -> u64 {
     crate::node::local::READ_CACHE_BYTES_DEFAULT
+}
+
+/// Four times the clients' default op deadline (30 s).
+pub fn default_tombstone_keep_s() -> u64 {
+    120
 }
 
 fn default_busy_poll_us() -> u64 {

@@ -76,7 +76,8 @@ struct Timeline {
 /// What the op is (fixed size: no allocation beyond the op itself).
 #[derive(Clone, Copy)]
 pub struct OpDesc {
-    /// "client_op", "shard_write", "shard_read", "shard_stat", "shard_rollback".
+    /// "client_op", "shard_write", "shard_read", "shard_stat", "shard_rollback", "shard_drop",
+    /// "shard_repair".
     pub kind: &'static str,
     pub peer: Identity,
     pub pool: u64,

@@ -31,6 +31,9 @@ pub const SHARD_READ_FROM_DEVICE: u8 = 1;
 pub const SHARD_READ_CHUNK_CRCS: u8 = 2;
 pub const MSG_SHARD_STAT: u16 = 32;
 pub const MSG_SHARD_ROLLBACK: u16 = 33;
+/// Remove a member's leftover shard of an object (a state older than what a member complete
+/// past it knows: `resolve`).
+pub const MSG_SHARD_DROP: u16 = 34;
 // Recovery (src/node/recovery.rs): served on the members' low-priority queue.
 /// A member's shards of one PG: (name, shard, version, size, deleted), paged by name.
 pub const MSG_SHARD_LIST: u16 = 40;
@@ -46,6 +49,8 @@ pub const MSG_RECOVERY_WRITE: u16 = 44;
 pub const MSG_SHARD_SETTLE: u16 = 45;
 /// Ask a PG's primary whether the PG is clean (a former member may then remove its keys).
 pub const MSG_PG_CLEAN: u16 = 46;
+/// Remove the tombstones of objects removed a while ago (`tombstone_keep_s`).
+pub const MSG_SHARD_FORGET: u16 = 47;
 // Admin range 50..=59 (client → node, JSON replies; docs/operations.md).
 pub const MSG_ADMIN_PERF_DUMP: u16 = 50;
 pub const MSG_ADMIN_PERF_RESET: u16 = 51;

@@ -8,8 +8,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use common::{
-    bytes, counter, live_bytes, put_objects, read_all, size_of, wait_recovered, wait_until,
-    wait_up, Harness, WAIT,
+    bytes, counter, live_bytes, put_objects, read_all, size_of, store_sum, wait_recovered,
+    wait_until, wait_up, Harness, WAIT,
 };
 use nvstore::cluster_cmd::{render_status, LocalOptions};
 use nvstore::monitor::StatusReport;
@@ -1012,6 +1012,114 @@ fn overwrites_and_removes_give_back_the_space_of_the_old_bytes() {
     for n in &names {
         assert!(c.get(pool, n.as_bytes()).is_err(), "{n} is gone");
     }
+}
+
+/// Removed objects leave nothing behind: `tombstone_keep_s` after a remove, the members
+/// forget its tombstone (the shards' index entries and records; before, every removed
+/// object kept them for ever). A member down during the removes comes back with the old
+/// shards of the removed objects — overwritten once, so no rollback record undoes them:
+/// recovery finds them older than what the members complete past them know and drops them,
+/// instead of bringing the objects back or failing on them. A removed name can be written
+/// again.
+#[test]
+fn removed_objects_are_forgotten_and_a_returning_member_does_not_bring_them_back() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // k + m = 4 nodes: every node holds a shard of every object.
+    let h = common::cluster(
+        "nvstore-recovery-test-",
+        &LocalOptions {
+            nodes: 4,
+            monitors: 1,
+            device_bytes: 256 << 20,
+            down_grace_ms: 1500,
+            heartbeat_ms: 200,
+            op_threads: 4,
+            tombstone_keep_s: 1,
+            ..LocalOptions::default()
+        },
+    );
+    let c = &h.client;
+    let pool = c.create_pool("forget", 2, 2, 4096, 8, None).unwrap();
+    let names: Vec<String> = (0..24).map(|i| format!("f-{i}")).collect();
+    let data = |round: u64, i: usize| bytes(round * 100 + i as u64, 50_000);
+    for round in 0..2 {
+        for (i, n) in names.iter().enumerate() {
+            c.put(pool, n.as_bytes(), &data(round, i)).unwrap();
+        }
+    }
+    wait_recovered(c, |_| true);
+    let victim = 2;
+    let up: Vec<u32> = (1..=4).filter(|n| *n != victim).collect();
+    let sum = |name: &str| {
+        up.iter()
+            .map(|n| counter(c, *n, "recovery", name))
+            .sum::<u64>()
+    };
+    let victim_live = live_bytes(c, victim);
+    h.kill_nodes(&[victim]);
+    let keys_before: Vec<u64> = up.iter().map(|n| store_sum(c, *n, "objects")).collect();
+    let (removed, kept) = names.split_at(12);
+    for n in removed {
+        c.remove(pool, n.as_bytes()).unwrap();
+    }
+    // Each remove left a tombstone on the three up members.
+    wait_until("the up members to forget the tombstones", || {
+        sum("tombstones_forgotten") >= 12 * 3
+    });
+    assert_eq!(sum("tombstones_forgotten"), 12 * 3);
+    assert_eq!(sum("forgets_sent"), 12);
+    // A remove replaced a shard by a tombstone and added a PG log entry; the tombstone is
+    // gone, so each up member holds no more keys than before the removes.
+    for (n, before) in up.iter().zip(&keys_before) {
+        let now = store_sum(c, *n, "objects");
+        assert!(
+            now <= *before,
+            "node {n}: {now} keys, {before} before the removes"
+        );
+    }
+    for n in removed {
+        let e = c.stat(pool, n.as_bytes()).unwrap_err();
+        assert!(e.to_string().contains("no object"), "{n}: {e}");
+    }
+
+    // The member that missed the removes comes back with their old shards.
+    h.lc.start_member(&format!("node.{victim}")).unwrap();
+    wait_up(c, victim, true);
+    let s = wait_recovered(c, |s| {
+        s.pg_states.keys().all(|k| k == "active+clean") && s.recovery.objects_left == 0
+    });
+    assert_eq!(s.recovery.failures, 0, "{:?}", s.recovery);
+    assert_eq!(
+        counter(c, victim, "recovery", "stale_shards_dropped"),
+        12,
+        "the returning member's shards of the removed objects"
+    );
+    let listed: Vec<String> = c
+        .list(pool)
+        .unwrap()
+        .into_iter()
+        .map(|(n, _)| String::from_utf8(n).unwrap())
+        .collect();
+    let mut want = kept.to_vec();
+    want.sort();
+    assert_eq!(listed, want);
+    for n in removed {
+        let e = c.stat(pool, n.as_bytes()).unwrap_err();
+        assert!(e.to_string().contains("no object"), "{n}: {e}");
+    }
+    let now = live_bytes(c, victim);
+    assert!(
+        now < victim_live * 6 / 10,
+        "the returning member holds {now} live bytes, {victim_live} before the removes"
+    );
+    // A removed name can be written again; everything reads back from the returning
+    // member and one other.
+    c.put(pool, removed[0].as_bytes(), &data(7, 0)).unwrap();
+    h.kill_nodes(&[up[0], up[1]]);
+    for (i, n) in names.iter().enumerate().skip(12) {
+        assert!(c.get(pool, n.as_bytes()).unwrap() == data(1, i), "{n}");
+    }
+    assert!(c.get(pool, removed[0].as_bytes()).unwrap() == data(7, 0));
 }
 
 /// A node marked out while it runs keeps shards of PGs it is no longer a member of; marked

@@ -8,6 +8,8 @@
 //!   all).
 //! * `(pool, name, shard | 0x80)` — rollback bytes too large for the xattr.
 //! * `(pool, "\0log" ‖ pg BE32 ‖ version BE64 ‖ name, 0xFE)` — per-PG log entry (empty).
+//! * `(pool, "\0rec" ‖ pg BE32, 0xFD)` — the PG's recovery mark: slot u8, version u64
+//!   ("my shards of this slot are complete through this version"; `recovery.rs`).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -551,6 +553,11 @@ pub struct ShardState {
     pub xattrs: BTreeMap<String, Vec<u8>>,
     /// The requests whose writes made the object's recent versions (the `nv.req` xattr).
     pub reqs: ReqHistory,
+    /// For a member with no shard of the object: its recovery mark of the PG, (slot,
+    /// version), if it has one. A member complete through a version that has no shard of
+    /// an object proves that no acknowledged state of the object at or below that version
+    /// is current (`resolve` drops such leftovers).
+    pub mark: Option<(u8, u64)>,
 }
 
 impl ShardState {
@@ -569,6 +576,10 @@ impl ShardState {
             e.str(k).bytes(v);
         }
         self.reqs.encode(e);
+        match self.mark {
+            Some((slot, version)) => e.u8(1).u8(slot).u64(version),
+            None => e.u8(0),
+        };
     }
     pub fn decode(d: &mut Dec) -> Result<ShardState> {
         let meta = match d.u8()? {
@@ -581,11 +592,17 @@ impl ShardState {
         for _ in 0..n {
             xattrs.insert(d.str()?.to_string(), d.bytes()?.to_vec());
         }
+        let reqs = ReqHistory::decode(d)?;
+        let mark = match d.u8()? {
+            0 => None,
+            _ => Some((d.u8()?, d.u64()?)),
+        };
         Ok(ShardState {
             meta,
             rollback_from,
             xattrs,
-            reqs: ReqHistory::decode(d)?,
+            reqs,
+            mark,
         })
     }
 }
@@ -667,6 +684,22 @@ pub struct Local {
     pg_logs: Mutex<HashMap<(u64, u32), VecDeque<ObjectKey>>>,
     /// The newest version trimmed from each PG's log since the node started.
     log_trimmed: Mutex<HashMap<(u64, u32), u64>>,
+    /// Each PG's recovery mark as read or last written (`None`: the PG has none).
+    marks: Mutex<HashMap<(u64, u32), Option<Mark>>>,
+}
+
+/// A PG's recovery mark: (slot, version) this node's shards of that slot are complete
+/// through.
+pub type Mark = (u8, u64);
+
+/// Store key shard byte of a PG's recovery mark: `(pool, "\0rec" ‖ pg BE32, 0xFD)`.
+pub const SHARD_MARK: u8 = 0xFD;
+
+/// The store key of a PG's recovery mark.
+pub fn mark_key(pool: u64, pg: u32) -> ObjectKey {
+    let mut n = b"\0rec".to_vec();
+    n.extend_from_slice(&pg.to_be_bytes());
+    ObjectKey::new(pool, n, SHARD_MARK)
 }
 
 fn log_name(pg: u32, version: u64, name: &[u8]) -> Vec<u8> {
@@ -696,7 +729,72 @@ impl Local {
             meta_cache: Mutex::new(MetaCache::new(META_CACHE_ENTRIES)),
             pg_logs: Mutex::new(HashMap::new()),
             log_trimmed: Mutex::new(HashMap::new()),
+            marks: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The PG's recovery mark on this node: (slot, version) its shards of that slot are
+    /// complete through.
+    pub fn mark(&self, pool: u64, pg: u32) -> Result<Option<(u8, u64)>> {
+        // Held over the store read: a mark written meanwhile is cached after this one.
+        let mut marks = self.marks.lock().unwrap();
+        if let Some(m) = marks.get(&(pool, pg)) {
+            return Ok(*m);
+        }
+        let m = match self
+            .store(pool, pg)
+            .read_vec(&mark_key(pool, pg), 0, u64::MAX)
+        {
+            Ok(b) => {
+                let mut d = Dec::new(&b);
+                Some((d.u8()?, d.u64()?))
+            }
+            Err(StoreError::NotFound(_)) => None,
+            Err(e) => return Err(e.into()),
+        };
+        marks.insert((pool, pg), m);
+        Ok(m)
+    }
+
+    /// Record durably that this node's shards of `slot` of the PG are complete through
+    /// `version`.
+    pub fn set_mark(&self, pool: u64, pg: u32, slot: u8, version: u64) -> Result<()> {
+        let st = self.store(pool, pg);
+        let key = mark_key(pool, pg);
+        let mut b = Enc::default();
+        b.u8(slot).u64(version);
+        let mut t = Transaction::new();
+        if st.exists(&key) {
+            t.remove(key.clone());
+        }
+        t.write_full(key, &b.0);
+        match st.commit(t) {
+            Ok(_) => {
+                self.marks
+                    .lock()
+                    .unwrap()
+                    .insert((pool, pg), Some((slot, version)));
+                Ok(())
+            }
+            Err(e) => {
+                self.marks.lock().unwrap().remove(&(pool, pg));
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Drop the PG's recovery mark (its shards may have lost data: salvage). Returns whether
+    /// there was one.
+    pub fn remove_mark(&self, pool: u64, pg: u32) -> Result<bool> {
+        let st = self.store(pool, pg);
+        let key = mark_key(pool, pg);
+        let r = if st.exists(&key) {
+            st.remove(&key).map(|_| true)
+        } else {
+            Ok(false)
+        };
+        self.marks.lock().unwrap().remove(&(pool, pg));
+        Ok(r?)
     }
 
     /// The store a PG's shards live on.
@@ -730,10 +828,24 @@ impl Local {
     pub fn stat(&self, pool: u64, pg: u32, name: &[u8], shard: u8) -> Result<ShardState> {
         let st = self.store(pool, pg);
         let key = ObjectKey::new(pool, name, shard);
-        let Some(meta) = self.meta(st, &key)? else {
-            return Ok(ShardState::default());
+        let absent = || {
+            Ok(ShardState {
+                mark: self.mark(pool, pg)?,
+                ..ShardState::default()
+            })
         };
-        let all = st.xattrs(&key)?;
+        let Some(meta) = self.meta(st, &key)? else {
+            return absent();
+        };
+        let all = match st.xattrs(&key) {
+            Ok(a) => a,
+            // Removed since its meta was cached (a forgotten tombstone, a dropped leftover).
+            Err(StoreError::NotFound(_)) => {
+                self.meta_cache.lock().unwrap().remove(&key);
+                return absent();
+            }
+            Err(e) => return Err(e.into()),
+        };
         let rollback_from = all
             .get(XATTR_RB)
             .and_then(|b| Dec::new(b).u64().ok())
@@ -747,6 +859,7 @@ impl Local {
             rollback_from,
             xattrs: user_xattrs(all),
             reqs,
+            mark: None,
         })
     }
 
@@ -899,6 +1012,97 @@ impl Local {
         Ok(rx.iter().take(started).filter(|ok| *ok).count() as u64)
     }
 
+    /// Remove a shard that its primary found to be a leftover: the object's state it holds
+    /// (`version`) is older than what a member complete past it knows — the object was
+    /// removed and its tombstone forgotten, or the write never took. Only if the shard is
+    /// still at `version`; durable. Returns the shard's state after.
+    pub fn drop_stale(
+        &self,
+        pool: u64,
+        pg: u32,
+        name: &[u8],
+        shard: u8,
+        version: u64,
+    ) -> Result<ShardState> {
+        let st = self.store(pool, pg);
+        let key = ObjectKey::new(pool, name, shard);
+        if self.meta(st, &key)?.map(|m| m.version) == Some(version) {
+            let store_version = st.stat(&key)?.version;
+            let mut t = Transaction::new();
+            t.assert_version(key.clone(), store_version);
+            t.remove(key.clone());
+            let rb_key = ObjectKey::new(pool, name, shard | SHARD_ROLLBACK_BIT);
+            if st.exists(&rb_key) {
+                t.remove(rb_key);
+            }
+            let r = st.commit(t);
+            self.meta_cache.lock().unwrap().remove(&key);
+            r?;
+        }
+        self.stat(pool, pg, name, shard)
+    }
+
+    /// Remove the tombstones of this PG's shard `shard` that its primary listed: objects
+    /// removed at the given versions, acknowledged long enough ago that no resend of the
+    /// remove is still expected. Each only if this node's mark says its shards of that slot
+    /// are complete through the version (so its missing shard proves the removal to a later
+    /// `resolve`: see [`ShardState::mark`]) and the shard is still that tombstone (each
+    /// commit asserts the store version it read). The commits ride the store's next flush
+    /// (a lost one leaves a tombstone that a later resolve drops). Returns how many went.
+    pub fn forget(&self, pool: u64, pg: u32, shard: u8, entries: &[(&[u8], u64)]) -> Result<u64> {
+        let Some((slot, through)) = self.mark(pool, pg)? else {
+            return Ok(0);
+        };
+        if slot != shard {
+            return Ok(0);
+        }
+        let st = self.store(pool, pg);
+        let mut keys: Vec<(ObjectKey, u64, Option<ObjectKey>)> = Vec::new();
+        for &(name, version) in entries {
+            let key = ObjectKey::new(pool, name, shard);
+            let tombstone = self
+                .meta(st, &key)?
+                .is_some_and(|m| m.deleted && m.version == version);
+            if !tombstone || version > through {
+                continue;
+            }
+            let Ok(stat) = st.stat(&key) else {
+                continue;
+            };
+            let rb_key = ObjectKey::new(pool, name, shard | SHARD_ROLLBACK_BIT);
+            let spill = st.exists(&rb_key).then_some(rb_key);
+            keys.push((key, stat.version, spill));
+        }
+        let (tx, rx) = std::sync::mpsc::channel::<(ObjectKey, bool)>();
+        let mut started = 0;
+        for (key, store_version, spill) in keys {
+            let mut t = Transaction::new();
+            t.assert_version(key.clone(), store_version);
+            t.remove(key.clone());
+            if let Some(k) = spill {
+                t.remove(k);
+            }
+            let tx = tx.clone();
+            let k = key.clone();
+            let done = Box::new(move |r: AsyncCommit| {
+                let _ = tx.send((k, matches!(r, AsyncCommit::Durable(_))));
+            });
+            if st.commit_async(t, done).is_ok() {
+                started += 1;
+            }
+        }
+        drop(tx);
+        let mut n = 0;
+        for (key, ok) in rx.iter().take(started) {
+            if ok {
+                // A stat that cached the tombstone meanwhile finds the key gone and drops it.
+                self.meta_cache.lock().unwrap().remove(&key);
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
     /// Remove these keys of store `st_idx` (a stray PG's shards, log entries and mark), each
     /// only if still at the store version listed, in one durable transaction; forgets them
     /// in the meta cache and the PG logs held in memory.
@@ -915,6 +1119,12 @@ impl Local {
             cache.remove(k);
         }
         drop(cache);
+        for (k, _) in keys.iter().filter(|(k, _)| k.shard == SHARD_MARK) {
+            if let Some(b) = k.name.get(4..8) {
+                let pg = u32::from_be_bytes(b.try_into().expect("4 bytes"));
+                self.marks.lock().unwrap().remove(&(k.pool, pg));
+            }
+        }
         for (k, _) in keys.iter().filter(|(k, _)| k.name.starts_with(b"\0log")) {
             if let Some(b) = k.name.get(4..8) {
                 let pg = u32::from_be_bytes(b.try_into().expect("4 bytes"));
@@ -1873,6 +2083,76 @@ mod store_tests {
         range.kind = WriteKind::Range;
         range.base_version = 16;
         assert!(l.apply_settled(&range).is_err(), "whole shards only");
+    }
+
+    /// A tombstone goes only on its primary's word, only at the listed version and only
+    /// under this member's mark of the same slot; once gone, the member's stat of the name
+    /// reports its mark (the proof `resolve` uses). A leftover shard is dropped only at the
+    /// version named.
+    #[test]
+    fn tombstones_are_forgotten_under_the_mark_and_leftovers_dropped_at_their_version() {
+        let (_d, l) = local();
+        let st = &l.stores[0];
+        let key = ObjectKey::new(1, b"obj", 2);
+        let big = vec![5u8; ROLLBACK_INLINE_BYTES_MAX * 2];
+        l.apply(&full(11, &big, &[])).unwrap();
+        let mut rm = full(12, b"", &[]);
+        rm.meta.deleted = true;
+        rm.meta.size = 0;
+        l.apply(&rm).unwrap();
+        let spill = ObjectKey::new(1, b"obj", 2 | SHARD_ROLLBACK_BIT);
+        assert!(
+            st.exists(&spill),
+            "the remove keeps the old bytes for a rollback"
+        );
+        let stat = l.stat(1, 3, b"obj", 2).unwrap();
+        assert!(stat.meta.unwrap().deleted);
+        assert_eq!(stat.mark, None, "a member holding a shard reports no mark");
+        // No mark, a mark of another slot, a mark below the version: nothing goes.
+        assert_eq!(l.forget(1, 3, 2, &[(b"obj", 12)]).unwrap(), 0);
+        l.set_mark(1, 3, 4, 20).unwrap();
+        assert_eq!(l.forget(1, 3, 2, &[(b"obj", 12)]).unwrap(), 0);
+        l.set_mark(1, 3, 2, 11).unwrap();
+        assert_eq!(l.forget(1, 3, 2, &[(b"obj", 12)]).unwrap(), 0);
+        l.set_mark(1, 3, 2, 12).unwrap();
+        // Wrong version, unknown name: skipped.
+        assert_eq!(
+            l.forget(1, 3, 2, &[(b"obj", 11), (b"nope", 12)]).unwrap(),
+            0
+        );
+        assert!(st.exists(&key));
+        let live = st.space().live_bytes;
+        assert_eq!(l.forget(1, 3, 2, &[(b"obj", 12)]).unwrap(), 1);
+        assert!(!st.exists(&key) && !st.exists(&spill));
+        assert!(st.space().live_bytes + big.len() as u64 <= live);
+        let stat = l.stat(1, 3, b"obj", 2).unwrap();
+        assert_eq!(stat.meta, None);
+        assert_eq!(
+            stat.mark,
+            Some((2, 12)),
+            "the absent shard carries the mark"
+        );
+        // The mark survives a reopen of the index (read from the store, not the cache).
+        l.marks.lock().unwrap().clear();
+        assert_eq!(l.mark(1, 3).unwrap(), Some((2, 12)));
+        // A live shard is no tombstone: forget leaves it.
+        l.apply(&full(13, b"back", &[])).unwrap();
+        assert_eq!(l.forget(1, 3, 2, &[(b"obj", 13)]).unwrap(), 0);
+        assert_eq!(snapshot(&l).1, b"back");
+        // drop_stale: not at another version; at its own, gone with its spilled record.
+        l.apply(&full(14, &big, &[])).unwrap();
+        l.apply(&full(15, b"stale", &[])).unwrap();
+        assert!(st.exists(&spill));
+        let after = l.drop_stale(1, 3, b"obj", 2, 14).unwrap();
+        assert_eq!(after.meta.map(|m| m.version), Some(15));
+        let after = l.drop_stale(1, 3, b"obj", 2, 15).unwrap();
+        assert_eq!(after.meta, None);
+        assert_eq!(after.mark, Some((2, 12)));
+        assert!(!st.exists(&key) && !st.exists(&spill));
+        // The mark goes with salvage's word.
+        assert!(l.remove_mark(1, 3).unwrap());
+        assert_eq!(l.stat(1, 3, b"obj", 2).unwrap().mark, None);
+        assert!(!l.remove_mark(1, 3).unwrap());
     }
 
     #[test]

@@ -120,8 +120,9 @@ struct PgSlot {
     queue: VecDeque<Job>,
     running: bool,
     cache: Arc<Mutex<PgCache>>,
-    /// The cache's `to_settle`, reachable without waiting for a running op.
+    /// The cache's `to_settle` and `to_forget`, reachable without waiting for a running op.
     to_settle: primary::ToSettle,
+    to_forget: primary::ToForget,
 }
 
 impl PgSlot {
@@ -131,6 +132,7 @@ impl PgSlot {
             queue: VecDeque::new(),
             running: false,
             to_settle: cache.to_settle.clone(),
+            to_forget: cache.to_forget.clone(),
             cache: Arc::new(Mutex::new(cache)),
         }
     }
@@ -190,12 +192,14 @@ impl Dispatcher for NodeDispatcher {
                 | wire::MSG_SHARD_READ
                 | wire::MSG_SHARD_STAT
                 | wire::MSG_SHARD_ROLLBACK
+                | wire::MSG_SHARD_DROP
                 | wire::MSG_SHARD_LIST
                 | wire::MSG_PG_LOG
                 | wire::MSG_PG_MARK
                 | wire::MSG_RECOVERY_READ
                 | wire::MSG_RECOVERY_WRITE
                 | wire::MSG_SHARD_SETTLE
+                | wire::MSG_SHARD_FORGET
                 | wire::MSG_PG_CLEAN
                 | wire::MSG_SHARD_REPAIR
         )
@@ -227,6 +231,7 @@ impl Dispatcher for NodeDispatcher {
             wire::MSG_SHARD_READ
             | wire::MSG_SHARD_STAT
             | wire::MSG_SHARD_ROLLBACK
+            | wire::MSG_SHARD_DROP
             | wire::MSG_SHARD_REPAIR => node.enqueue_shard_op(msg),
             wire::MSG_SHARD_LIST
             | wire::MSG_PG_LOG
@@ -234,6 +239,7 @@ impl Dispatcher for NodeDispatcher {
             | wire::MSG_RECOVERY_READ
             | wire::MSG_RECOVERY_WRITE
             | wire::MSG_SHARD_SETTLE
+            | wire::MSG_SHARD_FORGET
             | wire::MSG_PG_CLEAN => node.enqueue_recovery(msg),
             t => {
                 let r = match t {
@@ -422,6 +428,7 @@ impl Node {
             wire::MSG_SHARD_READ => "shard_read",
             wire::MSG_SHARD_STAT => "shard_stat",
             wire::MSG_SHARD_REPAIR => "shard_repair",
+            wire::MSG_SHARD_DROP => "shard_drop",
             _ => "shard_rollback",
         };
         let desc = {
@@ -680,6 +687,14 @@ impl Node {
                     wire::MSG_SHARD_STAT => {
                         d.end()?;
                         self.local.stat(pool, pg, name, shard)?.encode(&mut e);
+                    }
+                    wire::MSG_SHARD_DROP => {
+                        let version = d.u64()?;
+                        d.end()?;
+                        self.local
+                            .drop_stale(pool, pg, name, shard, version)?
+                            .encode(&mut e);
+                        self.recovery.stale_shards_dropped.fetch_add(1, Relaxed);
                     }
                     _ => {
                         let from = d.u64()?;

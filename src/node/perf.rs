@@ -108,7 +108,7 @@ impl Node {
             let (fill_regions, fill_bytes) = st.device().prefill_stats();
             let cache = st.cache_stats();
             #[rustfmt::skip]
-            let store: [Row; 19] = [
+            let store: [Row; 20] = [
                 ("txns", C, t.txns, "Store transactions committed"),
                 ("user_bytes", C, t.user_bytes, "Object data bytes written by users"),
                 ("device_bytes_written", C, t.device_bytes_written, "Bytes written to the device"),
@@ -126,6 +126,7 @@ impl Node {
                 ("read_cache_misses", C, cache.misses, "Cacheable reads that went to the device (and filled the read cache)"),
                 ("read_cache_bytes", G, cache.bytes, "Bytes held by the read cache"),
                 ("live_bytes", G, sp.live_bytes, "Live bytes in the store"),
+                ("objects", G, st.object_count() as u64, "Keys in the store's index: shards (tombstones included), spilled rollback bytes, PG log entries, recovery marks"),
                 ("segments_free", G, sp.segments_free, "Free segments"),
                 ("segments_total", G, sp.segments_total, "Segments on the device"),
             ];
@@ -171,7 +172,7 @@ impl Node {
             driver::workload::peak_rss_kib(),
         );
         #[rustfmt::skip]
-        let rows: [(&'static str, Row); 44] = [
+        let rows: [(&'static str, Row); 47] = [
             ("client", ("read_ops", C, c.read_ops.load(Relaxed), "Client read ops run as primary")),
             ("client", ("write_ops", C, c.write_ops.load(Relaxed), "Client write ops run as primary")),
             ("client", ("read_bytes", C, c.read_bytes.load(Relaxed), "Bytes returned to clients")),
@@ -192,6 +193,9 @@ impl Node {
             ("recovery", ("rollbacks_dropped", C, self.recovery.rollbacks_dropped.load(Relaxed), "Rollback records of acknowledged writes dropped here on their primary's word (their old bytes freed)")),
             ("recovery", ("settles_sent", C, self.recovery.settles_sent.load(Relaxed), "Acknowledged writes, led here, whose members were told to drop their rollback records")),
             ("recovery", ("settles_failed", C, self.recovery.settles_failed.load(Relaxed), "SHARD_SETTLE requests a member did not answer (its records stay until the object's next write)")),
+            ("recovery", ("forgets_sent", C, self.recovery.forgets_sent.load(Relaxed), "Tombstones of objects removed here, as primary, that the members were told to forget (tombstone_keep_s after the remove)")),
+            ("recovery", ("tombstones_forgotten", C, self.recovery.tombstones_forgotten.load(Relaxed), "Tombstones removed here on their primary's word (index entry and record freed)")),
+            ("recovery", ("stale_shards_dropped", C, self.recovery.stale_shards_dropped.load(Relaxed), "Leftover shards removed here on a primary's word: a state older than what a member complete past it knows (a removed object's, a write that never took)")),
             ("recovery", ("stray_keys_removed", C, self.strays.removed_keys.load(Relaxed), "Keys (shards, log entries, marks) removed of PGs this node is no longer a member of, once clean")),
             ("recovery", ("stray_pgs_waiting", G, self.strays.pgs_waiting.load(Relaxed), "PGs this node holds keys of but is no longer a member of, not yet clean on their members")),
             ("recovery", ("marks_behind", G, self.marks_behind(), "PGs led here whose member marks lag acknowledged writes")),

@@ -95,10 +95,22 @@ pub struct PgCache {
     /// [`SETTLE_PENDING_MAX`]: past that, records stay until the object's next write. Its
     /// own lock: the batch is taken without waiting for the PG's running op.
     pub(super) to_settle: ToSettle,
+    /// Acknowledged removes, oldest first: (name, version, when acknowledged). Once
+    /// `tombstone_keep_s` old and under the members' marks, the members are told to forget
+    /// the tombstones (`MSG_SHARD_FORGET`, the recovery loop's `send_forgets`). At most
+    /// [`FORGET_PENDING_MAX`] (past that, and when this node stops leading the PG before
+    /// they are due, tombstones stay); its own lock, like `to_settle`.
+    pub(super) to_forget: ToForget,
 }
 
 /// Acknowledged writes to settle: (name, version, slots).
 pub(super) type ToSettle = Arc<Mutex<Vec<(Vec<u8>, u64, u64)>>>;
+
+/// Acknowledged removes whose tombstones are to be forgotten: (name, version, acknowledged).
+pub(super) type ToForget = Arc<Mutex<VecDeque<(Vec<u8>, u64, Instant)>>>;
+
+/// Acknowledged removes a PG's primary holds until their tombstones may go.
+const FORGET_PENDING_MAX: usize = 16 << 10;
 
 /// Acknowledged writes a PG's primary holds for settling between batches.
 const SETTLE_PENDING_MAX: usize = 16 << 10;
@@ -523,6 +535,13 @@ impl Node {
                         super::local::encode_read(&mut e, &r, crcs);
                     }
                     wire::MSG_SHARD_STAT => self.local.stat(pool, pg, name, shard)?.encode(&mut e),
+                    wire::MSG_SHARD_DROP => {
+                        let version = d.u64()?;
+                        self.local
+                            .drop_stale(pool, pg, name, shard, version)?
+                            .encode(&mut e);
+                        self.recovery.stale_shards_dropped.fetch_add(1, Relaxed);
+                    }
                     _ => {
                         let from = d.u64()?;
                         self.local
@@ -647,6 +666,35 @@ impl Node {
                 };
                 remember(c, name, &st);
                 return Ok(st);
+            }
+            // Leftovers: a member whose mark says its shards of its slot are complete through
+            // `top` has no shard of the object, so `top` is not the object's current state
+            // (it was removed since and the tombstone forgotten, or `top` never took). With
+            // fewer than k holders and silent members together, nothing could read it either:
+            // drop it where it is.
+            let complete_without = (0..ctx.n()).any(|s| {
+                states[s].as_ref().is_some_and(|st| {
+                    st.meta.is_none()
+                        && st
+                            .mark
+                            .is_some_and(|(slot, v)| slot as usize == s && v >= top)
+                })
+            });
+            if complete_without && holders.len() + unknown < ctx.k() {
+                let reqs = holders
+                    .iter()
+                    .map(|&s| {
+                        let mut e = self.shard_req_head(ctx, name, s);
+                        e.u64(top);
+                        (s, vec![SendBuf::Vec(e.finish())])
+                    })
+                    .collect();
+                let local = self.local_small(wire::MSG_SHARD_DROP);
+                for (slot, r) in self.fan_out(ctx, wire::MSG_SHARD_DROP, reqs, &local) {
+                    let p = r?;
+                    states[slot] = Some(parse_state(&p)?);
+                }
+                continue;
             }
             // Members that answer without `top` prove it was never acknowledged only if they
             // were the members when it was written (its epoch is in the version): after a
@@ -1181,6 +1229,12 @@ impl Node {
             let mut pending = c.to_settle.lock().unwrap();
             if pending.len() < SETTLE_PENDING_MAX {
                 pending.push((name.to_vec(), version, replaced));
+            }
+        }
+        if st.exists() && deleted {
+            let mut pending = c.to_forget.lock().unwrap();
+            if pending.len() < FORGET_PENDING_MAX {
+                pending.push_back((name.to_vec(), version, Instant::now()));
             }
         }
         let new = ObjState {

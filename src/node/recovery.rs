@@ -48,7 +48,7 @@ use std::time::{Duration, Instant};
 use ec::Shard;
 use messenger::{Incoming, Payload, SendBuf};
 use serde::{Deserialize, Serialize};
-use store::{ObjectKey, StoreError, Transaction};
+use store::ObjectKey;
 use tracing::{debug, info};
 
 use super::local::{ShardWrite, WriteKind, BASE_ANY, SHARD_ROLLBACK_BIT};
@@ -93,8 +93,6 @@ const REBUILD_ATTEMPTS_MAX: u32 = 3;
 const LIST_PAGE_MAX: u32 = 4096;
 /// Longest a recovery message waits for client shard ops to drain before it runs anyway.
 const YIELD_MAX: Duration = Duration::from_millis(20);
-/// Store key shard byte of a PG's recovery mark: `(pool, "\0rec" ‖ pg BE32, 0xFD)`.
-pub const SHARD_MARK: u8 = 0xFD;
 
 /// Recovery progress and counters, as a node reports them in its heartbeat (and the monitor
 /// sums them in its status report).
@@ -235,6 +233,13 @@ pub struct Recovery {
     /// and SHARD_SETTLE requests that failed (their records stay until the object's next write).
     pub(super) settles_sent: AtomicU64,
     pub(super) settles_failed: AtomicU64,
+    /// Tombstones this node, as primary, had its members forget (`MSG_SHARD_FORGET`), and
+    /// those this node removed on its primaries' word.
+    pub(super) forgets_sent: AtomicU64,
+    pub(super) tombstones_forgotten: AtomicU64,
+    /// Leftover shards this node removed on a primary's word (`MSG_SHARD_DROP`: older than
+    /// what a member complete past them knows).
+    pub(super) stale_shards_dropped: AtomicU64,
     last_done_unix_ms: AtomicU64,
 }
 
@@ -267,6 +272,9 @@ impl Default for Recovery {
             rollbacks_dropped: AtomicU64::new(0),
             settles_sent: AtomicU64::new(0),
             settles_failed: AtomicU64::new(0),
+            forgets_sent: AtomicU64::new(0),
+            tombstones_forgotten: AtomicU64::new(0),
+            stale_shards_dropped: AtomicU64::new(0),
             last_done_unix_ms: AtomicU64::new(0),
         }
     }
@@ -467,12 +475,6 @@ pub struct Listed {
     pub deleted: bool,
 }
 
-pub(super) fn mark_key(pool: u64, pg: u32) -> ObjectKey {
-    let mut n = b"\0rec".to_vec();
-    n.extend_from_slice(&pg.to_be_bytes());
-    ObjectKey::new(pool, n, SHARD_MARK)
-}
-
 fn bit(slot: usize) -> u64 {
     1u64 << slot
 }
@@ -548,6 +550,10 @@ impl Node {
                 let (shard, entries) = decode_settle(&mut d)?;
                 e.u64(self.settle(pool, pg, shard, &entries)?);
             }
+            wire::MSG_SHARD_FORGET => {
+                let (shard, entries) = decode_settle(&mut d)?;
+                e.u64(self.forget_tombstones(pool, pg, shard, &entries)?);
+            }
             wire::MSG_RECOVERY_READ => {
                 let name = d.bytes()?;
                 let shard = d.u8()?;
@@ -591,6 +597,19 @@ impl Node {
     fn settle(&self, pool: u64, pg: u32, shard: u8, entries: &[(&[u8], u64)]) -> Result<u64> {
         let n = self.local.settle(pool, pg, shard, entries)?;
         self.recovery.rollbacks_dropped.fetch_add(n, Relaxed);
+        Ok(n)
+    }
+
+    /// SHARD_FORGET on this member: remove the tombstones its primary listed.
+    fn forget_tombstones(
+        &self,
+        pool: u64,
+        pg: u32,
+        shard: u8,
+        entries: &[(&[u8], u64)],
+    ) -> Result<u64> {
+        let n = self.local.forget(pool, pg, shard, entries)?;
+        self.recovery.tombstones_forgotten.fetch_add(n, Relaxed);
         Ok(n)
     }
 
@@ -666,29 +685,11 @@ impl Node {
     }
 
     fn mark(&self, pool: u64, pg: u32) -> Result<Option<(u8, u64)>> {
-        let st = self.local.store(pool, pg);
-        match st.read_vec(&mark_key(pool, pg), 0, u64::MAX) {
-            Ok(b) => {
-                let mut d = Dec::new(&b);
-                Ok(Some((d.u8()?, d.u64()?)))
-            }
-            Err(StoreError::NotFound(_)) => Ok(None),
-            Err(e) => Err(e.into()),
-        }
+        self.local.mark(pool, pg)
     }
 
     fn set_mark(&self, pool: u64, pg: u32, slot: u8, version: u64) -> Result<()> {
-        let st = self.local.store(pool, pg);
-        let key = mark_key(pool, pg);
-        let mut b = Enc::default();
-        b.u8(slot).u64(version);
-        let mut t = Transaction::new();
-        if st.exists(&key) {
-            t.remove(key.clone());
-        }
-        t.write_full(key, &b.0);
-        st.commit(t)?;
-        Ok(())
+        self.local.set_mark(pool, pg, slot, version)
     }
 }
 
@@ -741,6 +742,7 @@ impl Node {
             if Instant::now() >= next_marks {
                 self.refresh_marks();
                 self.send_settles();
+                self.send_forgets();
                 next_marks = Instant::now() + MARK_REFRESH;
             }
             match dirty.pop_first() {
@@ -843,6 +845,11 @@ impl Node {
             wire::MSG_PG_MARK => {
                 let (pool, pg, slot, v) = (d.u64()?, d.u32()?, d.u8()?, d.u64()?);
                 self.set_mark(pool, pg, slot, v)?;
+            }
+            wire::MSG_SHARD_FORGET => {
+                let (pool, pg) = (d.u64()?, d.u32()?);
+                let (shard, entries) = decode_settle(&mut d)?;
+                e.u64(self.forget_tombstones(pool, pg, shard, &entries)?);
             }
             wire::MSG_SHARD_SETTLE => {
                 let (pool, pg) = (d.u64()?, d.u32()?);
@@ -1095,6 +1102,80 @@ impl Node {
                     self.recovery.settles_failed.fetch_add(1, Relaxed);
                     debug!("pg {pool}.{pg:x}: settling rollback records on slot {slot}: {e}");
                 }
+            }
+        }
+    }
+
+    /// Tell the up members of the PGs this node leads to forget the tombstones of objects
+    /// removed at least `tombstone_keep_s` ago (`PgCache::to_forget`) whose versions their
+    /// marks cover: one SHARD_FORGET per member and PG. Each member removes only tombstones
+    /// its own mark covers; the missing shard then proves the removal to a later `resolve`
+    /// (`ShardState::mark`). A member that does not answer gets the list again next time.
+    fn send_forgets(&self) {
+        let keep = Duration::from_secs(self.cfg.tombstone_keep_s);
+        type Pending = Vec<((u64, u32), super::primary::ToForget, Arc<Mutex<PgCache>>)>;
+        let pgs: Pending = self
+            .pgs
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(k, s)| (*k, s.to_forget.clone(), s.cache.clone()))
+            .collect();
+        for ((pool, pg), pending, cache) in pgs {
+            if pending.lock().unwrap().is_empty() {
+                continue;
+            }
+            let Some(ctx) = self.recovery_ctx(pool, pg) else {
+                continue;
+            };
+            let marked = match cache.try_lock() {
+                Ok(c) => c.marked,
+                Err(_) => continue, // an op is running: next time
+            };
+            let due: Vec<(Vec<u8>, u64, Instant)> = {
+                let mut p = pending.lock().unwrap();
+                let aged = p.iter().take_while(|e| e.2.elapsed() >= keep).count();
+                let (due, wait): (Vec<_>, Vec<_>) = p.drain(..aged).partition(|e| e.1 <= marked);
+                for e in wait.into_iter().rev() {
+                    p.push_front(e);
+                }
+                due
+            };
+            if due.is_empty() {
+                continue;
+            }
+            let reqs: Vec<(usize, Vec<SendBuf>)> = (0..ctx.n())
+                .filter(|s| ctx.up(*s).is_some())
+                .map(|s| {
+                    let mut e = Enc::new(ctx.map.epoch);
+                    e.u64(pool).u32(pg).u8(s as u8).u32(due.len() as u32);
+                    for (name, version, _) in &due {
+                        e.bytes(name).u64(*version);
+                    }
+                    (s, vec![SendBuf::Vec(e.finish())])
+                })
+                .collect();
+            let local = |_slot: usize, parts: Vec<SendBuf>| -> Result<Payload> {
+                let body = SendBuf::concat(&parts);
+                self.local_recovery_op(wire::MSG_SHARD_FORGET, &body)
+                    .map(Payload::from_vec)
+            };
+            let mut failed = false;
+            for (slot, r) in self.fan_out(&ctx, wire::MSG_SHARD_FORGET, reqs, &local) {
+                if let Err(e) = r {
+                    failed = true;
+                    debug!("pg {pool}.{pg:x}: forgetting tombstones on slot {slot}: {e}");
+                }
+            }
+            if failed {
+                let mut p = pending.lock().unwrap();
+                for e in due.into_iter().rev() {
+                    p.push_front(e);
+                }
+            } else {
+                self.recovery
+                    .forgets_sent
+                    .fetch_add(due.len() as u64, Relaxed);
             }
         }
     }

@@ -28,8 +28,7 @@ use messenger::OutMessage;
 use store::{ObjectKey, SalvageKind, Salvaged};
 use tracing::{info, warn};
 
-use super::local::SHARD_LOG;
-use super::recovery::{mark_key, SHARD_MARK};
+use super::local::{mark_key, SHARD_LOG, SHARD_MARK};
 use super::Node;
 use crate::map::ClusterMap;
 use crate::monclient::MonClient;
@@ -134,7 +133,7 @@ impl Node {
                     if !mine || !(all || pgs.contains(&(pool.id, pg))) || !st.exists(&key) {
                         continue;
                     }
-                    match st.remove(&key) {
+                    match self.local.remove_mark(pool.id, pg) {
                         Ok(_) => info!(
                             "salvage: recovery mark of PG {}.{pg:x} dropped: it will be backfilled",
                             pool.id

@@ -279,7 +279,7 @@ mod tests {
         log.extend_from_slice(&7u64.to_be_bytes());
         log.extend_from_slice(b"obj-1");
         assert_eq!(pg_of_key(&info, &ObjectKey::new(4, log, 0xFE)), Some(11));
-        let mark = super::super::recovery::mark_key(4, 9);
+        let mark = super::super::local::mark_key(4, 9);
         assert_eq!(pg_of_key(&info, &mark), Some(9));
         assert_eq!(pg_of_key(&info, &ObjectKey::new(4, b"\0other", 0)), None);
     }

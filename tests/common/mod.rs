@@ -213,10 +213,15 @@ pub fn counter(c: &Client, id: u32, group: &str, name: &str) -> u64 {
 
 /// Live bytes of node `id`'s stores (`perf dump`'s `store.by_device.*.live_bytes`), summed.
 pub fn live_bytes(c: &Client, id: u32) -> u64 {
+    store_sum(c, id, "live_bytes")
+}
+
+/// Gauge `store.by_device.*.name` of node `id`'s `perf dump`, summed over its devices.
+pub fn store_sum(c: &Client, id: u32, name: &str) -> u64 {
     c.perf_dump(id).unwrap()["store"]["by_device"]
         .as_object()
         .expect("store.by_device")
         .values()
-        .map(|v| v["live_bytes"].as_u64().expect("live_bytes"))
+        .map(|v| v[name].as_u64().unwrap_or_else(|| panic!("store.{name}")))
         .sum()
 }
