@@ -1122,6 +1122,70 @@ fn removed_objects_are_forgotten_and_a_returning_member_does_not_bring_them_back
     assert!(c.get(pool, removed[0].as_bytes()).unwrap() == data(7, 0));
 }
 
+/// Tombstones the removing primaries' lists no longer hold — every node restarted before
+/// they were due — are found by the next scrub pass and forgotten then.
+#[test]
+fn tombstones_a_restart_left_behind_are_forgotten_by_the_next_scrub() {
+    use nvstore::scrub_cmd::scrub_call;
+
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = common::cluster(
+        "nvstore-recovery-test-",
+        &LocalOptions {
+            nodes: 4,
+            monitors: 1,
+            device_bytes: 256 << 20,
+            down_grace_ms: 1500,
+            heartbeat_ms: 200,
+            op_threads: 4,
+            tombstone_keep_s: 3,
+            ..LocalOptions::default()
+        },
+    );
+    let c = &h.client;
+    let pool = c.create_pool("scrubbed", 2, 2, 4096, 8, None).unwrap();
+    let names: Vec<String> = (0..10).map(|i| format!("t-{i}")).collect();
+    for (i, n) in names.iter().enumerate() {
+        c.put(pool, n.as_bytes(), &bytes(i as u64, 20_000)).unwrap();
+    }
+    wait_recovered(c, |_| true);
+    for n in &names {
+        c.remove(pool, n.as_bytes()).unwrap();
+    }
+    // Every node restarts at once, well before the tombstones are due.
+    for id in 1..=4 {
+        h.lc.stop_member(&format!("node.{id}"), true).unwrap();
+    }
+    for id in 1..=4 {
+        h.lc.start_member(&format!("node.{id}")).unwrap();
+    }
+    for id in 1..=4 {
+        wait_up(c, id, true);
+    }
+    wait_recovered(c, |s| {
+        s.pg_states.keys().all(|k| k == "active+clean") && s.recovery.objects_left == 0
+    });
+    let sum = |name: &str| {
+        (1..=4)
+            .map(|n| counter(c, n, "recovery", name))
+            .sum::<u64>()
+    };
+    // Past `tombstone_keep_s`, and two rounds of the recovery loop: nothing names them.
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!(sum("tombstones_forgotten"), 0);
+    for id in 1..=4 {
+        scrub_call(c, id, 1).unwrap();
+    }
+    wait_until("scrub to have the tombstones forgotten", || {
+        sum("tombstones_forgotten") >= 10 * 4
+    });
+    assert_eq!(sum("tombstones_forgotten"), 10 * 4);
+    for n in &names {
+        let e = c.stat(pool, n.as_bytes()).unwrap_err();
+        assert!(e.to_string().contains("no object"), "{n}: {e}");
+    }
+}
+
 /// A node marked out while it runs keeps shards of PGs it is no longer a member of; marked
 /// in again, the nodes that stood in for it keep theirs. Each removes them once the PG is
 /// clean on its members (the primary says so): the stores' live bytes come back to what

@@ -1490,8 +1490,15 @@ impl Local {
         self.stat(pool, pg, name, shard)
     }
 
-    /// Names of objects of `pool` this node holds a live shard of, after `after`.
-    pub fn list(&self, pool: u64, after: &[u8], max: usize) -> Result<Vec<Vec<u8>>> {
+    /// Names of objects of `pool` this node holds a live shard of, after `after`; with
+    /// `tombstones`, of removed objects whose tombstone it holds too (scrub).
+    pub fn list(
+        &self,
+        pool: u64,
+        after: &[u8],
+        max: usize,
+        tombstones: bool,
+    ) -> Result<Vec<Vec<u8>>> {
         let mut names: Vec<Vec<u8>> = Vec::new();
         for st in &self.stores {
             let mut from = ObjectKey::new(pool, after, u8::MAX);
@@ -1507,7 +1514,7 @@ impl Local {
                     if names.last().is_some_and(|n| **n == *k.name) {
                         continue;
                     }
-                    if self.meta(st, &k)?.is_some_and(|m| !m.deleted) {
+                    if self.meta(st, &k)?.is_some_and(|m| tombstones || !m.deleted) {
                         names.push(k.name.to_vec());
                         if names.len() >= max {
                             break 'outer;

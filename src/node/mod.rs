@@ -777,7 +777,7 @@ impl Node {
         let after = d.bytes()?;
         let max = d.u32()?.min(10_000) as usize;
         d.end()?;
-        let names = self.local.list(pool, after, max)?;
+        let names = self.local.list(pool, after, max, false)?;
         let mut e = Enc::new(self.epoch());
         e.u16(Status::Ok as u16).u32(names.len() as u32);
         for n in &names {

@@ -397,6 +397,34 @@ impl Node {
         }
     }
 
+    /// A removed object's tombstone met outside the list of the primary that removed it
+    /// (scrub): that primary restarted, or the PG changed hands, before the tombstone was
+    /// due. Queued to be forgotten once `tombstone_keep_s` past the remove (its `mtime`);
+    /// a younger one is left to the list that holds it, or to the next pass.
+    pub(super) fn tombstone_found(&self, ctx: &Ctx, name: &[u8], st: &ObjState) {
+        let keep = Duration::from_secs(self.cfg.tombstone_keep_s);
+        let age = Duration::from_nanos(now_ns().saturating_sub(st.mtime_unix_ns));
+        if age < keep {
+            return;
+        }
+        let pending = self
+            .pgs
+            .lock()
+            .unwrap()
+            .entry((ctx.pool.id, ctx.pg))
+            .or_insert_with(super::PgSlot::new)
+            .to_forget
+            .clone();
+        let mut p = pending.lock().unwrap();
+        if p.len() < FORGET_PENDING_MAX && !p.iter().any(|e| e.1 == st.version && e.0 == name) {
+            // Due at once (the list is oldest first).
+            let at = Instant::now()
+                .checked_sub(keep)
+                .unwrap_or_else(Instant::now);
+            p.push_front((name.to_vec(), st.version, at));
+        }
+    }
+
     /// Forget a cached object state (it turned out stale).
     pub(super) fn forget(c: &mut PgCache, name: &[u8]) {
         c.objs.remove(name);

@@ -1002,6 +1002,8 @@ impl Node {
                 self.refresh_cache(&ctx, &mut c);
                 if c.members == pass.members && c.node_change_epoch == pass.node_change_epoch {
                     c.complete_at = Some(pass.node_change_epoch);
+                    // `mark_members` marked every up member complete through it.
+                    c.marked = c.marked.max(pass.version);
                 }
             }
         }

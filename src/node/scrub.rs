@@ -458,7 +458,7 @@ impl Node {
             }
             'names: loop {
                 let after = unhex(&cur.after_hex);
-                let names = match self.local.list(pool_id, &after, LIST_BATCH) {
+                let names = match self.local.list(pool_id, &after, LIST_BATCH, true) {
                     Ok(n) => n,
                     Err(e) => {
                         warn!("scrub: list pool {pool_id}: {e}");
@@ -529,6 +529,9 @@ impl Node {
     fn scrub_object(&self, ctx: &Ctx, name: &[u8]) -> Result<ObjScrub> {
         let st = self.resolve(ctx, &mut PgCache::default(), name)?;
         let mut o = ObjScrub::default();
+        if st.deleted {
+            self.tombstone_found(ctx, name, &st);
+        }
         if !st.exists() {
             return Ok(o);
         }
