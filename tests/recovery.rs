@@ -1122,10 +1122,11 @@ fn removed_objects_are_forgotten_and_a_returning_member_does_not_bring_them_back
     assert!(c.get(pool, removed[0].as_bytes()).unwrap() == data(7, 0));
 }
 
-/// Tombstones the removing primaries' lists no longer hold — every node restarted before
-/// they were due — are found by the next scrub pass and forgotten then.
+/// What the primaries' lists no longer hold — every node restarted right after removes and
+/// overwrites — is found by the next scrub pass: the removed objects' tombstones are
+/// forgotten and the overwritten objects' rollback records (their old bytes) dropped then.
 #[test]
-fn tombstones_a_restart_left_behind_are_forgotten_by_the_next_scrub() {
+fn what_a_restart_left_behind_is_given_back_by_the_next_scrub() {
     use nvstore::scrub_cmd::scrub_call;
 
     let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -1148,11 +1149,24 @@ fn tombstones_a_restart_left_behind_are_forgotten_by_the_next_scrub() {
     for (i, n) in names.iter().enumerate() {
         c.put(pool, n.as_bytes(), &bytes(i as u64, 20_000)).unwrap();
     }
+    // 100 kB objects: 50 kB a shard, whose old bytes an overwrite spills to a key of their own.
+    let big: Vec<String> = (0..10).map(|i| format!("o-{i}")).collect();
+    for (i, n) in big.iter().enumerate() {
+        c.put(pool, n.as_bytes(), &bytes(50 + i as u64, 100_000))
+            .unwrap();
+    }
     wait_recovered(c, |_| true);
+    let live = || (1..=4).map(|n| live_bytes(c, n)).sum::<u64>();
+    let before = live();
     for n in &names {
         c.remove(pool, n.as_bytes()).unwrap();
     }
-    // Every node restarts at once, well before the tombstones are due.
+    for (i, n) in big.iter().enumerate() {
+        c.put(pool, n.as_bytes(), &bytes(80 + i as u64, 100_000))
+            .unwrap();
+    }
+    // Every node restarts at once, before the lists are sent (every 2 s) and long before the
+    // tombstones are due.
     for id in 1..=4 {
         h.lc.stop_member(&format!("node.{id}"), true).unwrap();
     }
@@ -1173,16 +1187,33 @@ fn tombstones_a_restart_left_behind_are_forgotten_by_the_next_scrub() {
     // Past `tombstone_keep_s`, and two rounds of the recovery loop: nothing names them.
     std::thread::sleep(Duration::from_secs(5));
     assert_eq!(sum("tombstones_forgotten"), 0);
+    assert_eq!(sum("rollbacks_dropped"), 0);
+    // 10 × 100 kB × 2 (k = 2, m = 2) of old bytes kept.
+    let old_bytes = 10 * 100_000 * 2;
+    let kept = live();
+    assert!(
+        kept > before + old_bytes * 3 / 4,
+        "{kept} live, {before} before"
+    );
     for id in 1..=4 {
         scrub_call(c, id, 1).unwrap();
     }
-    wait_until("scrub to have the tombstones forgotten", || {
-        sum("tombstones_forgotten") >= 10 * 4
-    });
+    wait_until(
+        "scrub to give back the tombstones and the old bytes",
+        || sum("tombstones_forgotten") >= 10 * 4 && sum("rollbacks_dropped") >= 10 * 4,
+    );
     assert_eq!(sum("tombstones_forgotten"), 10 * 4);
+    let after = live();
+    assert!(
+        after < before + old_bytes / 4,
+        "{after} live after the scrub, {before} before the overwrites"
+    );
     for n in &names {
         let e = c.stat(pool, n.as_bytes()).unwrap_err();
         assert!(e.to_string().contains("no object"), "{n}: {e}");
+    }
+    for (i, n) in big.iter().enumerate() {
+        assert!(c.get(pool, n.as_bytes()).unwrap() == bytes(80 + i as u64, 100_000));
     }
 }
 

@@ -61,6 +61,10 @@ pub struct ObjState {
     /// The client requests whose writes made the object's recent versions, through
     /// `version`, as its shards recorded them.
     pub reqs: ReqHistory,
+    /// Slots whose shard still keeps the rollback record of `version`, as `resolve` found
+    /// them (0 when the state was learnt otherwise): a settle list that never reached them
+    /// (lost with a primary's restart) is made up for by scrub.
+    pub rollbacks: u64,
 }
 
 impl ObjState {
@@ -397,6 +401,29 @@ impl Node {
         }
     }
 
+    /// Rollback records of an object's current version met by scrub, long after the write:
+    /// the settle list that named them was lost (its primary restarted, the PG changed
+    /// hands). Added to the PG's list (`MSG_SHARD_SETTLE` drops them) when at least
+    /// min_size shards hold the version: resolve never rolls such a version back (fewer
+    /// holders could be a write that failed, which a rollback may still undo).
+    pub(super) fn rollbacks_found(&self, ctx: &Ctx, name: &[u8], st: &ObjState) {
+        if st.rollbacks == 0 || st.current.count_ones() < ctx.pool.min_size {
+            return;
+        }
+        let pending = self
+            .pgs
+            .lock()
+            .unwrap()
+            .entry((ctx.pool.id, ctx.pg))
+            .or_insert_with(super::PgSlot::new)
+            .to_settle
+            .clone();
+        let mut p = pending.lock().unwrap();
+        if p.len() < SETTLE_PENDING_MAX {
+            p.push((name.to_vec(), st.version, st.rollbacks));
+        }
+    }
+
     /// A removed object's tombstone met outside the list of the primary that removed it
     /// (scrub): that primary restarted, or the PG changed hands, before the tombstone was
     /// due. Queued to be forgotten once `tombstone_keep_s` past the remove (its `mtime`);
@@ -691,6 +718,14 @@ impl Node {
                         .find(|r| !r.is_empty())
                         .cloned()
                         .unwrap_or_default(),
+                    rollbacks: holders
+                        .iter()
+                        .filter(|h| {
+                            states[**h]
+                                .as_ref()
+                                .is_some_and(|s| s.rollback_from == meta.version)
+                        })
+                        .fold(0, |a, s| a | bit(*s)),
                 };
                 remember(c, name, &st);
                 return Ok(st);
@@ -1273,6 +1308,7 @@ impl Node {
             current: acked,
             xattrs: if deleted { BTreeMap::new() } else { xattrs },
             reqs,
+            rollbacks: 0,
         };
         remember(c, name, &new);
         Ok(version)

@@ -529,6 +529,7 @@ impl Node {
     fn scrub_object(&self, ctx: &Ctx, name: &[u8]) -> Result<ObjScrub> {
         let st = self.resolve(ctx, &mut PgCache::default(), name)?;
         let mut o = ObjScrub::default();
+        self.rollbacks_found(ctx, name, &st);
         if st.deleted {
             self.tombstone_found(ctx, name, &st);
         }
