@@ -19,6 +19,11 @@ use nvstore::Client;
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 fn cluster(nodes: u32) -> Harness {
+    cluster_keeping_tombstones(nodes, LocalOptions::default().tombstone_keep_s)
+}
+
+/// [`cluster`] whose nodes keep removed objects' tombstones `secs` seconds.
+fn cluster_keeping_tombstones(nodes: u32, secs: u64) -> Harness {
     common::cluster(
         "nvstore-recovery-test-",
         &LocalOptions {
@@ -28,6 +33,7 @@ fn cluster(nodes: u32) -> Harness {
             down_grace_ms: 1500,
             heartbeat_ms: 200,
             op_threads: 4,
+            tombstone_keep_s: secs,
             ..LocalOptions::default()
         },
     )
@@ -1025,19 +1031,7 @@ fn overwrites_and_removes_give_back_the_space_of_the_old_bytes() {
 fn removed_objects_are_forgotten_and_a_returning_member_does_not_bring_them_back() {
     let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     // k + m = 4 nodes: every node holds a shard of every object.
-    let h = common::cluster(
-        "nvstore-recovery-test-",
-        &LocalOptions {
-            nodes: 4,
-            monitors: 1,
-            device_bytes: 256 << 20,
-            down_grace_ms: 1500,
-            heartbeat_ms: 200,
-            op_threads: 4,
-            tombstone_keep_s: 1,
-            ..LocalOptions::default()
-        },
-    );
+    let h = cluster_keeping_tombstones(4, 1);
     let c = &h.client;
     let pool = c.create_pool("forget", 2, 2, 4096, 8, None).unwrap();
     let names: Vec<String> = (0..24).map(|i| format!("f-{i}")).collect();
@@ -1130,19 +1124,7 @@ fn what_a_restart_left_behind_is_given_back_by_the_next_scrub() {
     use nvstore::scrub_cmd::scrub_call;
 
     let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let h = common::cluster(
-        "nvstore-recovery-test-",
-        &LocalOptions {
-            nodes: 4,
-            monitors: 1,
-            device_bytes: 256 << 20,
-            down_grace_ms: 1500,
-            heartbeat_ms: 200,
-            op_threads: 4,
-            tombstone_keep_s: 3,
-            ..LocalOptions::default()
-        },
-    );
+    let h = cluster_keeping_tombstones(4, 3);
     let c = &h.client;
     let pool = c.create_pool("scrubbed", 2, 2, 4096, 8, None).unwrap();
     let names: Vec<String> = (0..10).map(|i| format!("t-{i}")).collect();

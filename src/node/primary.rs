@@ -401,6 +401,16 @@ impl Node {
         }
     }
 
+    /// The PG's lists of writes to settle and removes to forget (`PgCache::to_settle`,
+    /// `to_forget`).
+    fn pending_lists(&self, ctx: &Ctx) -> (ToSettle, ToForget) {
+        let mut pgs = self.pgs.lock().unwrap();
+        let slot = pgs
+            .entry((ctx.pool.id, ctx.pg))
+            .or_insert_with(super::PgSlot::new);
+        (slot.to_settle.clone(), slot.to_forget.clone())
+    }
+
     /// Rollback records of an object's current version met by scrub, long after the write:
     /// the settle list that named them was lost (its primary restarted, the PG changed
     /// hands). Added to the PG's list (`MSG_SHARD_SETTLE` drops them) when at least
@@ -410,14 +420,7 @@ impl Node {
         if st.rollbacks == 0 || st.current.count_ones() < ctx.pool.min_size {
             return;
         }
-        let pending = self
-            .pgs
-            .lock()
-            .unwrap()
-            .entry((ctx.pool.id, ctx.pg))
-            .or_insert_with(super::PgSlot::new)
-            .to_settle
-            .clone();
+        let (pending, _) = self.pending_lists(ctx);
         let mut p = pending.lock().unwrap();
         if p.len() < SETTLE_PENDING_MAX {
             p.push((name.to_vec(), st.version, st.rollbacks));
@@ -434,14 +437,7 @@ impl Node {
         if age < keep {
             return;
         }
-        let pending = self
-            .pgs
-            .lock()
-            .unwrap()
-            .entry((ctx.pool.id, ctx.pg))
-            .or_insert_with(super::PgSlot::new)
-            .to_forget
-            .clone();
+        let (_, pending) = self.pending_lists(ctx);
         let mut p = pending.lock().unwrap();
         if p.len() < FORGET_PENDING_MAX && !p.iter().any(|e| e.1 == st.version && e.0 == name) {
             // Due at once (the list is oldest first).
@@ -744,19 +740,7 @@ impl Node {
                 })
             });
             if complete_without && holders.len() + unknown < ctx.k() {
-                let reqs = holders
-                    .iter()
-                    .map(|&s| {
-                        let mut e = self.shard_req_head(ctx, name, s);
-                        e.u64(top);
-                        (s, vec![SendBuf::Vec(e.finish())])
-                    })
-                    .collect();
-                let local = self.local_small(wire::MSG_SHARD_DROP);
-                for (slot, r) in self.fan_out(ctx, wire::MSG_SHARD_DROP, reqs, &local) {
-                    let p = r?;
-                    states[slot] = Some(parse_state(&p)?);
-                }
+                self.at_holders(ctx, name, &holders, top, wire::MSG_SHARD_DROP, &mut states)?;
                 continue;
             }
             // Members that answer without `top` prove it was never acknowledged only if they
@@ -782,21 +766,42 @@ impl Node {
                 ));
             }
             // Provably never acknowledged: undo it where it landed.
-            let reqs = holders
-                .iter()
-                .map(|&s| {
-                    let mut e = self.shard_req_head(ctx, name, s);
-                    e.u64(top);
-                    (s, vec![SendBuf::Vec(e.finish())])
-                })
-                .collect();
-            let local = self.local_small(wire::MSG_SHARD_ROLLBACK);
-            for (slot, r) in self.fan_out(ctx, wire::MSG_SHARD_ROLLBACK, reqs, &local) {
-                let p = r?;
-                states[slot] = Some(parse_state(&p)?);
-            }
+            self.at_holders(
+                ctx,
+                name,
+                &holders,
+                top,
+                wire::MSG_SHARD_ROLLBACK,
+                &mut states,
+            )?;
         }
         Err(Error::remote(Status::Internal, "resolve did not converge"))
+    }
+
+    /// Send `msg_type` (SHARD_ROLLBACK or SHARD_DROP of `version`) to the holders of a
+    /// version; their states after replace `states`' entries.
+    fn at_holders(
+        &self,
+        ctx: &Ctx,
+        name: &[u8],
+        holders: &[usize],
+        version: u64,
+        msg_type: u16,
+        states: &mut [Option<ShardState>],
+    ) -> Result<()> {
+        let reqs = holders
+            .iter()
+            .map(|&s| {
+                let mut e = self.shard_req_head(ctx, name, s);
+                e.u64(version);
+                (s, vec![SendBuf::Vec(e.finish())])
+            })
+            .collect();
+        let local = self.local_small(msg_type);
+        for (slot, r) in self.fan_out(ctx, msg_type, reqs, &local) {
+            states[slot] = Some(parse_state(&r?)?);
+        }
+        Ok(())
     }
 
     /// The absent state of an object this node, as a complete member (`PgCache::complete_at`),
