@@ -1061,7 +1061,8 @@ fn removed_objects_are_forgotten_and_a_returning_member_does_not_bring_them_back
         sum("tombstones_forgotten") >= 12 * 3
     });
     assert_eq!(sum("tombstones_forgotten"), 12 * 3);
-    assert_eq!(sum("forgets_sent"), 12);
+    // Not every slot has answered: the lists keep them for the member that is down.
+    assert_eq!(sum("forgets_sent"), 0);
     // A remove replaced a shard by a tombstone and added a PG log entry; the tombstone is
     // gone, so each up member holds no more keys than before the removes.
     for (n, before) in up.iter().zip(&keys_before) {
@@ -1106,11 +1107,50 @@ fn removed_objects_are_forgotten_and_a_returning_member_does_not_bring_them_back
         now < victim_live * 6 / 10,
         "the returning member holds {now} live bytes, {victim_live} before the removes"
     );
+
+    // A member that took removes but went down before their tombstones were due forgets
+    // them once it is back. (Removes led by that member itself are in its lost list: the
+    // next scrub's, below.)
+    let other = 3;
+    let map = c.map();
+    let p = &map.pools[&pool];
+    let (second, kept): (Vec<&String>, Vec<&String>) = kept
+        .iter()
+        .partition(|n| Acting::compute(&map, p, pg_of(p, n.as_bytes())).primary != Some(other));
+    let second = &second[..second.len().min(6)];
+    assert!(second.len() >= 3, "{second:?}");
+    let rest: Vec<u32> = (1..=4).filter(|n| *n != other).collect();
+    let forgotten = || {
+        rest.iter()
+            .map(|n| counter(c, *n, "recovery", "tombstones_forgotten"))
+            .sum::<u64>()
+    };
+    let before = forgotten();
+    for n in second {
+        c.remove(pool, n.as_bytes()).unwrap();
+    }
+    h.lc.stop_member(&format!("node.{other}"), true).unwrap();
+    wait_until("the other members to forget the new tombstones", || {
+        forgotten() >= before + 3 * second.len() as u64
+    });
+    h.lc.start_member(&format!("node.{other}")).unwrap();
+    wait_up(c, other, true);
+    wait_until("the member back to forget its tombstones", || {
+        counter(c, other, "recovery", "tombstones_forgotten") >= second.len() as u64
+    });
+    assert_eq!(
+        counter(c, other, "recovery", "tombstones_forgotten"),
+        second.len() as u64
+    );
+    wait_recovered(c, |s| {
+        s.pg_states.keys().all(|k| k == "active+clean") && s.recovery.objects_left == 0
+    });
+    assert_eq!(c.list(pool).unwrap().len(), kept.len());
     // A removed name can be written again; everything reads back from the returning
     // member and one other.
     c.put(pool, removed[0].as_bytes(), &data(7, 0)).unwrap();
     h.kill_nodes(&[up[0], up[1]]);
-    for (i, n) in names.iter().enumerate().skip(12) {
+    for (i, n) in names.iter().enumerate().filter(|(_, n)| kept.contains(n)) {
         assert!(c.get(pool, n.as_bytes()).unwrap() == data(1, i), "{n}");
     }
     assert!(c.get(pool, removed[0].as_bytes()).unwrap() == data(7, 0));

@@ -193,7 +193,7 @@ impl Node {
             ("recovery", ("rollbacks_dropped", C, self.recovery.rollbacks_dropped.load(Relaxed), "Rollback records of acknowledged writes dropped here on their primary's word (their old bytes freed)")),
             ("recovery", ("settles_sent", C, self.recovery.settles_sent.load(Relaxed), "Acknowledged writes, led here, whose members were told to drop their rollback records")),
             ("recovery", ("settles_failed", C, self.recovery.settles_failed.load(Relaxed), "SHARD_SETTLE requests a member did not answer (its records stay until the object's next write)")),
-            ("recovery", ("forgets_sent", C, self.recovery.forgets_sent.load(Relaxed), "Tombstones of objects removed here, as primary, that the members were told to forget (tombstone_keep_s after the remove)")),
+            ("recovery", ("forgets_sent", C, self.recovery.forgets_sent.load(Relaxed), "Removes led here whose tombstone every member was told to forget (tombstone_keep_s after the remove; a member down meanwhile is told when back)")),
             ("recovery", ("tombstones_forgotten", C, self.recovery.tombstones_forgotten.load(Relaxed), "Tombstones removed here on their primary's word (index entry and record freed)")),
             ("recovery", ("stale_shards_dropped", C, self.recovery.stale_shards_dropped.load(Relaxed), "Leftover shards removed here on a primary's word: a state older than what a member complete past it knows (a removed object's, a write that never took)")),
             ("recovery", ("stray_keys_removed", C, self.strays.removed_keys.load(Relaxed), "Keys (shards, log entries, marks) removed of PGs this node is no longer a member of, once clean")),

@@ -99,19 +99,31 @@ pub struct PgCache {
     /// [`SETTLE_PENDING_MAX`]: past that, records stay until the object's next write. Its
     /// own lock: the batch is taken without waiting for the PG's running op.
     pub(super) to_settle: ToSettle,
-    /// Acknowledged removes, oldest first: (name, version, when acknowledged). Once
+    /// Acknowledged removes, oldest first. Once
     /// `tombstone_keep_s` old and under the members' marks, the members are told to forget
     /// the tombstones (`MSG_SHARD_FORGET`, the recovery loop's `send_forgets`). At most
     /// [`FORGET_PENDING_MAX`] (past that, and when this node stops leading the PG before
-    /// they are due, tombstones stay); its own lock, like `to_settle`.
+    /// every member has answered, tombstones stay for scrub to find); its own lock, like
+    /// `to_settle`.
     pub(super) to_forget: ToForget,
 }
 
 /// Acknowledged writes to settle: (name, version, slots).
 pub(super) type ToSettle = Arc<Mutex<Vec<(Vec<u8>, u64, u64)>>>;
 
-/// Acknowledged removes whose tombstones are to be forgotten: (name, version, acknowledged).
-pub(super) type ToForget = Arc<Mutex<VecDeque<(Vec<u8>, u64, Instant)>>>;
+/// Acknowledged removes whose tombstones are to be forgotten, oldest first.
+pub(super) type ToForget = Arc<Mutex<VecDeque<Forget>>>;
+
+/// An acknowledged remove whose tombstone is to be forgotten.
+pub(super) struct Forget {
+    pub name: Vec<u8>,
+    pub version: u64,
+    /// When it was acknowledged.
+    pub at: Instant,
+    /// Slots that answered a SHARD_FORGET naming it (kept until every slot has: a member
+    /// down meanwhile gets it when it is back).
+    pub done: u64,
+}
 
 /// Acknowledged removes a PG's primary holds until their tombstones may go.
 const FORGET_PENDING_MAX: usize = 16 << 10;
@@ -439,12 +451,19 @@ impl Node {
         }
         let (_, pending) = self.pending_lists(ctx);
         let mut p = pending.lock().unwrap();
-        if p.len() < FORGET_PENDING_MAX && !p.iter().any(|e| e.1 == st.version && e.0 == name) {
+        if p.len() < FORGET_PENDING_MAX
+            && !p.iter().any(|e| e.version == st.version && e.name == name)
+        {
             // Due at once (the list is oldest first).
             let at = Instant::now()
                 .checked_sub(keep)
                 .unwrap_or_else(Instant::now);
-            p.push_front((name.to_vec(), st.version, at));
+            p.push_front(Forget {
+                name: name.to_vec(),
+                version: st.version,
+                at,
+                done: 0,
+            });
         }
     }
 
@@ -1302,7 +1321,12 @@ impl Node {
         if st.exists() && deleted {
             let mut pending = c.to_forget.lock().unwrap();
             if pending.len() < FORGET_PENDING_MAX {
-                pending.push_back((name.to_vec(), version, Instant::now()));
+                pending.push_back(Forget {
+                    name: name.to_vec(),
+                    version,
+                    at: Instant::now(),
+                    done: 0,
+                });
             }
         }
         let new = ObjState {

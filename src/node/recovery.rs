@@ -1112,7 +1112,8 @@ impl Node {
     /// removed at least `tombstone_keep_s` ago (`PgCache::to_forget`) whose versions their
     /// marks cover: one SHARD_FORGET per member and PG. Each member removes only tombstones
     /// its own mark covers; the missing shard then proves the removal to a later `resolve`
-    /// (`ShardState::mark`). A member that does not answer gets the list again next time.
+    /// (`ShardState::mark`). An entry stays listed until every slot has answered for it: a
+    /// member that failed, or was down, gets it when it is back.
     fn send_forgets(&self) {
         let keep = Duration::from_secs(self.cfg.tombstone_keep_s);
         type Pending = Vec<((u64, u32), super::primary::ToForget, Arc<Mutex<PgCache>>)>;
@@ -1128,33 +1129,42 @@ impl Node {
                 continue;
             }
             let Some(ctx) = self.recovery_ctx(pool, pg) else {
+                // No longer led here: the new primary's scrub finds what is left.
+                pending.lock().unwrap().clear();
                 continue;
             };
             let marked = match cache.try_lock() {
                 Ok(c) => c.marked,
                 Err(_) => continue, // an op is running: next time
             };
-            let due: Vec<(Vec<u8>, u64, Instant)> = {
-                let mut p = pending.lock().unwrap();
-                let aged = p.iter().take_while(|e| e.2.elapsed() >= keep).count();
-                let (due, wait): (Vec<_>, Vec<_>) = p.drain(..aged).partition(|e| e.1 <= marked);
-                for e in wait.into_iter().rev() {
-                    p.push_front(e);
-                }
-                due
-            };
-            if due.is_empty() {
-                continue;
-            }
-            let reqs: Vec<(usize, Vec<SendBuf>)> = (0..ctx.n())
+            let all = (0..ctx.n()).fold(0u64, |a, s| a | bit(s));
+            let up = (0..ctx.n())
                 .filter(|s| ctx.up(*s).is_some())
-                .map(|s| {
-                    let mut e = Enc::new(ctx.map.epoch);
-                    e.u64(pool).u32(pg).u8(s as u8).u32(due.len() as u32);
-                    for (name, version, _) in &due {
-                        e.bytes(name).u64(*version);
+                .fold(0u64, |a, s| a | bit(s));
+            // The due entries, taken out of the list while they are sent (entries keep their
+            // order: the aged ones are its front).
+            let mut due: Vec<super::primary::Forget> = {
+                let mut p = pending.lock().unwrap();
+                let aged = p.iter().take_while(|e| e.at.elapsed() >= keep).count();
+                p.drain(..aged).collect()
+            };
+            let wanted = |e: &super::primary::Forget| e.version <= marked && up & !e.done != 0;
+            let reqs: Vec<(usize, Vec<SendBuf>)> = (0..ctx.n())
+                .filter(|s| up & bit(*s) != 0)
+                .filter_map(|s| {
+                    let mine: Vec<&super::primary::Forget> = due
+                        .iter()
+                        .filter(|e| wanted(e) && e.done & bit(s) == 0)
+                        .collect();
+                    if mine.is_empty() {
+                        return None;
                     }
-                    (s, vec![SendBuf::Vec(e.finish())])
+                    let mut e = Enc::new(ctx.map.epoch);
+                    e.u64(pool).u32(pg).u8(s as u8).u32(mine.len() as u32);
+                    for f in mine {
+                        e.bytes(&f.name).u64(f.version);
+                    }
+                    Some((s, vec![SendBuf::Vec(e.finish())]))
                 })
                 .collect();
             let local = |_slot: usize, parts: Vec<SendBuf>| -> Result<Payload> {
@@ -1162,22 +1172,23 @@ impl Node {
                 self.local_recovery_op(wire::MSG_SHARD_FORGET, &body)
                     .map(Payload::from_vec)
             };
-            let mut failed = false;
+            let mut answered = 0u64;
             for (slot, r) in self.fan_out(&ctx, wire::MSG_SHARD_FORGET, reqs, &local) {
-                if let Err(e) = r {
-                    failed = true;
-                    debug!("pg {pool}.{pg:x}: forgetting tombstones on slot {slot}: {e}");
+                match r {
+                    Ok(_) => answered |= bit(slot),
+                    Err(e) => debug!("pg {pool}.{pg:x}: forgetting tombstones on slot {slot}: {e}"),
                 }
             }
-            if failed {
-                let mut p = pending.lock().unwrap();
-                for e in due.into_iter().rev() {
-                    p.push_front(e);
+            for e in due.iter_mut().filter(|e| wanted(e)) {
+                e.done |= answered;
+                if e.done & all == all {
+                    self.recovery.forgets_sent.fetch_add(1, Relaxed);
                 }
-            } else {
-                self.recovery
-                    .forgets_sent
-                    .fetch_add(due.len() as u64, Relaxed);
+            }
+            due.retain(|e| e.done & all != all);
+            let mut p = pending.lock().unwrap();
+            for e in due.into_iter().rev() {
+                p.push_front(e);
             }
         }
     }
