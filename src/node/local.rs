@@ -828,9 +828,11 @@ impl Local {
     pub fn stat(&self, pool: u64, pg: u32, name: &[u8], shard: u8) -> Result<ShardState> {
         let st = self.store(pool, pg);
         let key = ObjectKey::new(pool, name, shard);
+        // An unreadable mark proves nothing: the state says no mark rather than fail the
+        // stat (the member would count as silent for every absent object).
         let absent = || {
             Ok(ShardState {
-                mark: self.mark(pool, pg)?,
+                mark: self.mark(pool, pg).unwrap_or(None),
                 ..ShardState::default()
             })
         };
