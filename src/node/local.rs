@@ -1017,7 +1017,7 @@ impl Local {
     /// Remove a shard that its primary found to be a leftover: the object's state it holds
     /// (`version`) is older than what a member complete past it knows — the object was
     /// removed and its tombstone forgotten, or the write never took. Only if the shard is
-    /// still at `version`; durable. Returns the shard's state after.
+    /// still at `version`; durable. Returns whether it went, and the shard's state after.
     pub fn drop_stale(
         &self,
         pool: u64,
@@ -1025,10 +1025,11 @@ impl Local {
         name: &[u8],
         shard: u8,
         version: u64,
-    ) -> Result<ShardState> {
+    ) -> Result<(bool, ShardState)> {
         let st = self.store(pool, pg);
         let key = ObjectKey::new(pool, name, shard);
-        if self.meta(st, &key)?.map(|m| m.version) == Some(version) {
+        let at_version = self.meta(st, &key)?.map(|m| m.version) == Some(version);
+        if at_version {
             let store_version = st.stat(&key)?.version;
             let mut t = Transaction::new();
             t.assert_version(key.clone(), store_version);
@@ -1041,7 +1042,7 @@ impl Local {
             self.meta_cache.lock().unwrap().remove(&key);
             r?;
         }
-        self.stat(pool, pg, name, shard)
+        Ok((at_version, self.stat(pool, pg, name, shard)?))
     }
 
     /// Remove the tombstones of this PG's shard `shard` that its primary listed: objects
@@ -2152,9 +2153,11 @@ mod store_tests {
         l.apply(&full(14, &big, &[])).unwrap();
         l.apply(&full(15, b"stale", &[])).unwrap();
         assert!(st.exists(&spill));
-        let after = l.drop_stale(1, 3, b"obj", 2, 14).unwrap();
+        let (dropped, after) = l.drop_stale(1, 3, b"obj", 2, 14).unwrap();
+        assert!(!dropped);
         assert_eq!(after.meta.map(|m| m.version), Some(15));
-        let after = l.drop_stale(1, 3, b"obj", 2, 15).unwrap();
+        let (dropped, after) = l.drop_stale(1, 3, b"obj", 2, 15).unwrap();
+        assert!(dropped);
         assert_eq!(after.meta, None);
         assert_eq!(after.mark, Some((2, 12)));
         assert!(!st.exists(&key) && !st.exists(&spill));
