@@ -691,12 +691,8 @@ impl Node {
                     wire::MSG_SHARD_DROP => {
                         let version = d.u64()?;
                         d.end()?;
-                        let (dropped, state) =
-                            self.local.drop_stale(pool, pg, name, shard, version)?;
-                        state.encode(&mut e);
-                        self.recovery
-                            .stale_shards_dropped
-                            .fetch_add(dropped as u64, Relaxed);
+                        self.drop_stale(pool, pg, name, shard, version)?
+                            .encode(&mut e);
                     }
                     _ => {
                         let from = d.u64()?;

@@ -600,6 +600,23 @@ impl Node {
         Ok(n)
     }
 
+    /// SHARD_DROP on this member (sent by a peer or by this node as primary): remove a
+    /// leftover shard at `version`, counted when it went; the shard's state after.
+    pub(super) fn drop_stale(
+        &self,
+        pool: u64,
+        pg: u32,
+        name: &[u8],
+        shard: u8,
+        version: u64,
+    ) -> Result<super::local::ShardState> {
+        let (dropped, state) = self.local.drop_stale(pool, pg, name, shard, version)?;
+        self.recovery
+            .stale_shards_dropped
+            .fetch_add(dropped as u64, Relaxed);
+        Ok(state)
+    }
+
     /// SHARD_FORGET on this member: remove the tombstones its primary listed.
     fn forget_tombstones(
         &self,
