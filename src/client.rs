@@ -150,6 +150,20 @@ impl Client {
         self.pool_id(name)
     }
 
+    /// Delete pool `name` and every object in it, for good: the monitor removes it from the
+    /// map at once (its objects are gone for clients from that epoch on) and each node then
+    /// removes its keys of the pool in the background. The pool's id is never reused.
+    pub fn delete_pool(&self, name: &str) -> Result<()> {
+        let r = self
+            .monc
+            .command(&MonCommand::DeletePool { name: name.into() })?;
+        if !r.ok {
+            return Err(Error::remote(Status::NoSuchPool, r.message));
+        }
+        self.monc.subscribe()?;
+        Ok(())
+    }
+
     pub fn pool_id(&self, name: &str) -> Result<u64> {
         if let Some(p) = self.map().pool_by_name(name) {
             return Ok(p.id);

@@ -590,6 +590,16 @@ pub enum PoolCommand {
         #[command(flatten)]
         conf: ConfArg,
     },
+    /// Delete a pool and every object in it, for good (the nodes reclaim its space in the
+    /// background)
+    Delete {
+        name: String,
+        /// Required: the pool's objects cannot be brought back
+        #[arg(long)]
+        yes_i_really_mean_it: bool,
+        #[command(flatten)]
+        conf: ConfArg,
+    },
     /// List pools
     Ls {
         #[command(flatten)]
@@ -727,6 +737,25 @@ pub fn run_pool(cmd: PoolCommand) -> CliResult {
             let c = Client::from_config(&conf.conf)?;
             let id = c.create_pool(&name, k, m, stripe_unit as u32, pg_num, min_size)?;
             println!("pool {name:?} created: id {id}, EC {k}+{m}, {pg_num} pgs");
+        }
+        PoolCommand::Delete {
+            name,
+            yes_i_really_mean_it,
+            conf,
+        } => {
+            if !yes_i_really_mean_it {
+                return Err(format!(
+                    "deleting pool {name:?} removes every object in it for good; \
+                     pass --yes-i-really-mean-it to go ahead"
+                )
+                .into());
+            }
+            let c = Client::from_config(&conf.conf)?;
+            c.delete_pool(&name)?;
+            println!(
+                "pool {name:?} deleted at map epoch {}; the nodes are removing its objects",
+                c.map().epoch
+            );
         }
         PoolCommand::Ls { conf } => {
             let c = Client::from_config(&conf.conf)?;

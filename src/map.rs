@@ -106,6 +106,11 @@ pub struct ClusterMap {
     /// computes the same pins.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub pins: BTreeMap<u64, BTreeMap<u32, Vec<(u8, u32)>>>,
+    /// The highest pool id ever created (0: none yet, or a map from before pools could be
+    /// deleted; see [`ClusterMap::pool_max`]). Pool ids are never reused, so what a node still
+    /// holds of a deleted pool can never be taken for a later pool's objects.
+    #[serde(default)]
+    pub pool_max: u64,
 }
 
 impl ClusterMap {
@@ -118,6 +123,21 @@ impl ClusterMap {
 
     pub fn pool_by_name(&self, name: &str) -> Option<&PoolInfo> {
         self.pools.values().find(|p| p.name == name)
+    }
+
+    /// The highest pool id ever created: the next pool gets the one after it.
+    pub fn pool_max(&self) -> u64 {
+        self.pools
+            .keys()
+            .next_back()
+            .map_or(self.pool_max, |last| self.pool_max.max(*last))
+    }
+
+    /// Whether pool `id` was created and has been deleted since (its keys left on a node's
+    /// devices are garbage). An id above [`ClusterMap::pool_max`] is not deleted: it may be
+    /// a pool created after this map.
+    pub fn is_deleted_pool(&self, id: u64) -> bool {
+        id != 0 && id <= self.pool_max() && !self.pools.contains_key(&id)
     }
 
     pub fn is_up(&self, node: u32) -> bool {
@@ -191,9 +211,11 @@ impl ClusterMap {
                 }
             }
             Change::PoolCreate(p) => {
+                self.pool_max = self.pool_max().max(p.id);
                 self.pools.insert(p.id, p.clone());
             }
             Change::PoolDelete(id) => {
+                self.pool_max = self.pool_max();
                 self.pools.remove(id);
                 self.pins.remove(id);
             }

@@ -146,6 +146,19 @@ fn a_cluster_through_the_cli() {
         assert!(String::from_utf8_lossy(&gone.stderr).contains("not found"));
         let nopool = nvstore(&["put", "nosuch", "x", file.to_str().unwrap()], c);
         assert!(String::from_utf8_lossy(&nopool.stderr).contains("no such pool"));
+        // Deleting a pool asks for the flag that says its objects may go for good.
+        let refused = nvstore(&["pool", "delete", "p2"], c);
+        assert!(!refused.status.success());
+        let err = String::from_utf8_lossy(&refused.stderr);
+        assert!(err.contains("--yes-i-really-mean-it"), "{err}");
+        assert!(ok(&nvstore(&["pool", "ls"], c), "pool ls").contains("\tp2\t"));
+        let del = nvstore(&["pool", "delete", "p2", "--yes-i-really-mean-it"], c);
+        assert!(ok(&del, "pool delete").contains("pool \"p2\" deleted"));
+        assert!(!ok(&nvstore(&["pool", "ls"], c), "pool ls").contains("\tp2\t"));
+        let ls = nvstore(&["ls", "p2"], c);
+        assert!(String::from_utf8_lossy(&ls.stderr).contains("no such pool"));
+        let again = nvstore(&["pool", "delete", "p2", "--yes-i-really-mean-it"], c);
+        assert!(String::from_utf8_lossy(&again.stderr).contains("no pool \"p2\""));
     };
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run));
     let down = nvstore(&["cluster", "down", "--dir", d], None);

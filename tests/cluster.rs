@@ -515,3 +515,86 @@ fn a_resent_append_with_the_same_request_id_is_applied_once() {
     assert_eq!(c.get(pool, b"log2").unwrap(), b"start;entry;entry;");
     m.shutdown();
 }
+
+/// `pool delete`: the pool's objects are gone for clients at once; every node removes its
+/// keys of it — a node that was down meanwhile once it is back — and nothing else: another
+/// pool's objects and keys stay; a later pool never gets the deleted pool's id, so nothing
+/// left of it can be taken for the new pool's objects.
+#[test]
+fn a_deleted_pools_keys_go_from_every_node_and_its_id_is_never_reused() {
+    use common::{counter, store_sum, wait_until};
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // k + m = 4 nodes: every node holds a shard of every object.
+    let h = cluster(4, 1, LocalOptions::default());
+    let c = &h.client;
+    let clean = |s: &nvstore::monitor::StatusReport| {
+        s.pg_states.keys().all(|k| k == "active+clean") && s.recovery.objects_left == 0
+    };
+    let kept = c.create_pool("kept", 2, 2, 4096, 8, None).unwrap();
+    let keep = common::put_objects(c, kept, "k", 1, 12);
+    common::wait_recovered(c, clean);
+    let nodes = [1u32, 2, 3, 4];
+    let keys = |n: u32| store_sum(c, n, "objects");
+    let before: Vec<u64> = nodes.iter().map(|n| keys(*n)).collect();
+    let gone = c.create_pool("gone", 2, 2, 4096, 8, None).unwrap();
+    let objs = common::put_objects(c, gone, "g", 100, 30);
+    common::wait_recovered(c, clean);
+    let with: Vec<u64> = nodes.iter().map(|n| keys(*n)).collect();
+    for i in 0..4 {
+        // 30 shards, their PG log entries, the PGs' recovery marks.
+        assert!(
+            with[i] >= before[i] + 60,
+            "node {}: {with:?} {before:?}",
+            i + 1
+        );
+    }
+    let victim = 4u32;
+    h.kill_nodes(&[victim]);
+    c.delete_pool("gone").unwrap();
+    assert!(c.map().pool_by_name("gone").is_none());
+    let e = c.get(gone, objs[0].0.as_bytes()).unwrap_err();
+    assert_eq!(status_of(&e), Some(Status::NoSuchPool), "{e}");
+    assert!(c.list(gone).is_err());
+    let e = c.delete_pool("gone").unwrap_err();
+    assert!(e.to_string().contains("no pool \"gone\""), "{e}");
+    let up = &nodes[..3];
+    wait_until(
+        "the up nodes to remove their keys of the deleted pool",
+        || {
+            up.iter()
+                .all(|n| counter(c, *n, "recovery", "deleted_pool_keys_removed") > 0)
+                && up.iter().all(|n| keys(*n) == before[*n as usize - 1])
+        },
+    );
+    for n in up {
+        let i = *n as usize - 1;
+        assert_eq!(
+            counter(c, *n, "recovery", "deleted_pool_keys_removed"),
+            with[i] - before[i],
+            "node {n}: exactly its keys of the deleted pool"
+        );
+        assert_eq!(counter(c, *n, "recovery", "deleted_pools_left"), 0);
+    }
+
+    // The node that was down comes back with its keys of the deleted pool and removes them.
+    h.lc.start_member(&format!("node.{victim}")).unwrap();
+    common::wait_up(c, victim, true);
+    wait_until(
+        "the node back to remove its keys of the deleted pool",
+        || keys(victim) == before[3],
+    );
+    assert_eq!(
+        counter(c, victim, "recovery", "deleted_pool_keys_removed"),
+        with[3] - before[3]
+    );
+    common::wait_recovered(c, clean);
+
+    // A new pool of the same name is a new pool: a new id, none of the old objects.
+    let again = c.create_pool("gone", 2, 2, 4096, 8, None).unwrap();
+    assert_eq!(again, gone + 1);
+    assert!(c.list(again).unwrap().is_empty());
+    let e = c.get(again, objs[0].0.as_bytes()).unwrap_err();
+    assert_eq!(status_of(&e), Some(Status::NotFound), "{e}");
+    common::read_all(c, kept, &keep);
+    assert_eq!(c.list(kept).unwrap().len(), keep.len());
+}

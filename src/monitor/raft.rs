@@ -55,6 +55,10 @@ pub enum MonCommand {
         pg_num: u32,
         min_size: Option<u32>,
     },
+    /// Remove a pool from the map; its objects go with it (each node sweeps its keys).
+    DeletePool {
+        name: String,
+    },
 }
 
 /// What applying a command produced.
@@ -196,7 +200,8 @@ impl MonState {
                         k + parity
                     ));
                 }
-                let id = m.pools.keys().next_back().map_or(1, |i| i + 1);
+                // Never a deleted pool's id: its keys may still be on some node's devices.
+                let id = m.pool_max() + 1;
                 vec![Change::PoolCreate(PoolInfo {
                     id,
                     name: name.clone(),
@@ -207,6 +212,10 @@ impl MonState {
                     min_size,
                 })]
             }
+            MonCommand::DeletePool { name } => match m.pool_by_name(name) {
+                Some(p) => vec![Change::PoolDelete(p.id)],
+                None => return Err(format!("no pool {name:?}")),
+            },
         })
     }
 
@@ -725,5 +734,46 @@ mod tests {
             s.map.membership_epoch > membership,
             "coming back in moves members"
         );
+    }
+
+    /// A deleted pool's id is never given to a later pool (its keys may still be on a node's
+    /// devices), also when it was the newest; deleting an unknown pool is refused.
+    #[test]
+    fn deleted_pools_ids_are_never_reused() {
+        let mut s = MonState::default();
+        let create = |name: &str| MonCommand::CreatePool {
+            name: name.into(),
+            k: 2,
+            m: 1,
+            stripe_unit: 4096,
+            pg_num: 4,
+            min_size: None,
+        };
+        let delete = |name: &str| MonCommand::DeletePool { name: name.into() };
+        assert!(s.execute(&create("a")).ok);
+        assert!(s.execute(&create("b")).ok);
+        assert_eq!(s.map.pool_by_name("b").unwrap().id, 2);
+        let epoch = s.map.epoch;
+        assert!(s.execute(&delete("b")).ok);
+        assert_eq!(s.map.epoch, epoch + 1);
+        assert!(s.map.pool_by_name("b").is_none());
+        assert!(s.map.is_deleted_pool(2) && !s.map.is_deleted_pool(1));
+        assert!(!s.map.is_deleted_pool(3), "not created yet");
+        assert!(s.execute(&create("b")).ok);
+        assert_eq!(s.map.pool_by_name("b").unwrap().id, 3);
+        assert!(s.map.is_deleted_pool(2));
+        let r = s.execute(&delete("nope"));
+        assert!(!r.ok && r.message.contains("no pool \"nope\""), "{r:?}");
+        assert!(s.execute(&delete("a")).ok);
+        assert!(s.execute(&delete("b")).ok);
+        assert!(s.map.pools.is_empty());
+        assert!(s.execute(&create("c")).ok);
+        assert_eq!(s.map.pool_by_name("c").unwrap().id, 4);
+        // A node applying the same incrementals computes the same.
+        let mut m = crate::map::ClusterMap::default();
+        for inc in &s.history {
+            m.apply(inc).unwrap();
+        }
+        assert_eq!(m, s.map);
     }
 }

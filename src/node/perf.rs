@@ -172,7 +172,7 @@ impl Node {
             driver::workload::peak_rss_kib(),
         );
         #[rustfmt::skip]
-        let rows: [(&'static str, Row); 47] = [
+        let rows: [(&'static str, Row); 49] = [
             ("client", ("read_ops", C, c.read_ops.load(Relaxed), "Client read ops run as primary")),
             ("client", ("write_ops", C, c.write_ops.load(Relaxed), "Client write ops run as primary")),
             ("client", ("read_bytes", C, c.read_bytes.load(Relaxed), "Bytes returned to clients")),
@@ -197,6 +197,8 @@ impl Node {
             ("recovery", ("tombstones_forgotten", C, self.recovery.tombstones_forgotten.load(Relaxed), "Tombstones removed here on their primary's word (index entry and record freed)")),
             ("recovery", ("stale_shards_dropped", C, self.recovery.stale_shards_dropped.load(Relaxed), "Leftover shards removed here on a primary's word: a state older than what a member complete past it knows (a removed object's, a write that never took)")),
             ("recovery", ("stray_keys_removed", C, self.strays.removed_keys.load(Relaxed), "Keys (shards, log entries, marks) removed of PGs this node is no longer a member of, once clean")),
+            ("recovery", ("deleted_pool_keys_removed", C, self.strays.deleted_pool_keys.load(Relaxed), "Keys (shards, log entries, marks) of deleted pools removed")),
+            ("recovery", ("deleted_pools_left", G, self.strays.deleted_pools_left.load(Relaxed), "Deleted pools this node still held keys of after its last sweep")),
             ("recovery", ("stray_pgs_waiting", G, self.strays.pgs_waiting.load(Relaxed), "PGs this node holds keys of but is no longer a member of, not yet clean on their members")),
             ("recovery", ("marks_behind", G, self.marks_behind(), "PGs led here whose member marks lag acknowledged writes")),
             ("ec", ("encoded_bytes", C, e.encoded_bytes.load(Relaxed), "Data bytes encoded in full stripes")),

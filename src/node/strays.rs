@@ -54,6 +54,10 @@ pub struct Strays {
     pub pgs_waiting: AtomicU64,
     /// Held by a removal batch, and by the recovery listings of a PG's keys.
     pub(super) gate: Mutex<()>,
+    /// Keys of deleted pools removed.
+    pub deleted_pool_keys: AtomicU64,
+    /// Deleted pools this node still held keys of after its last sweep (gauge).
+    pub deleted_pools_left: AtomicU64,
 }
 
 /// The PG a store key of `pool` belongs to: a shard's by its name, a PG log entry's or
@@ -78,8 +82,61 @@ impl Node {
             self.monc.wait_change(epoch, STRAY_PERIOD);
             // Let the map settle and recovery plan first.
             std::thread::sleep(Duration::from_secs(1));
+            self.sweep_deleted_pools();
             self.sweep_strays();
         }
+    }
+
+    /// Remove every key this node holds of pools the map says were deleted — at once after
+    /// the delete, and after a restart or a move for a device that missed it — and forget
+    /// their idle PG slots. Safe without asking anyone: a pool's deletion is final and its
+    /// id never reused (`ClusterMap::is_deleted_pool`), and a shard op of a deleted pool from
+    /// a sender with an older map is refused (`check_shard_sender`); one that slipped in
+    /// before this node had the new map leaves a key the next sweep removes.
+    pub(super) fn sweep_deleted_pools(&self) {
+        let map = self.monc.map();
+        self.pgs.lock().unwrap().retain(|(pool, _), slot| {
+            !map.is_deleted_pool(*pool) || slot.running || !slot.queue.is_empty()
+        });
+        let mut left = 0;
+        for pool in (1..=map.pool_max()).filter(|id| map.is_deleted_pool(*id)) {
+            if !self.purge_pool(pool) {
+                left += 1;
+            }
+        }
+        self.strays.deleted_pools_left.store(left, Relaxed);
+    }
+
+    /// Remove this node's keys of deleted pool `pool`, [`PURGE_BATCH`] per transaction; false
+    /// if a batch failed (a key changed under it: the next sweep goes on).
+    fn purge_pool(&self, pool: u64) -> bool {
+        let mut removed = 0u64;
+        let mut done = true;
+        'stores: for st_idx in 0..self.local.stores.len() {
+            loop {
+                let batch: Vec<(ObjectKey, u64)> = self.local.stores[st_idx]
+                    .list(pool, None, PURGE_BATCH)
+                    .into_iter()
+                    .map(|(k, s)| (k, s.version))
+                    .collect();
+                if batch.is_empty() {
+                    break;
+                }
+                if let Err(e) = self.local.purge(st_idx, &batch) {
+                    debug!("removing keys of deleted pool {pool}: {e}");
+                    done = false;
+                    break 'stores;
+                }
+                removed += batch.len() as u64;
+                self.strays
+                    .deleted_pool_keys
+                    .fetch_add(batch.len() as u64, Relaxed);
+            }
+        }
+        if removed > 0 {
+            info!("removed {removed} keys of deleted pool {pool}");
+        }
+        done
     }
 
     /// One sweep (see the module docs). The stores are scanned for stray PGs once per
