@@ -1285,3 +1285,137 @@ fn shards_of_pgs_a_node_left_are_removed_once_the_pg_is_clean() {
     h.kill_nodes(&others);
     read_all(c, pool, &objects);
 }
+
+/// Nodes 1..=`started` of a cluster created with `nodes` nodes (their configs and devices
+/// made, the rest not started: they join when started later).
+fn cluster_partly_started(nodes: u32, started: u32) -> Harness {
+    let dir = tempfile::Builder::new()
+        .prefix("nvstore-recovery-test-")
+        .tempdir()
+        .unwrap();
+    let lc = nvstore::cluster_cmd::LocalCluster::new(
+        dir.path(),
+        std::path::Path::new(env!("CARGO_BIN_EXE_nvstore")),
+    );
+    lc.create(&LocalOptions {
+        nodes,
+        monitors: 1,
+        device_bytes: 256 << 20,
+        down_grace_ms: 1500,
+        heartbeat_ms: 200,
+        op_threads: 4,
+        ..LocalOptions::default()
+    })
+    .unwrap();
+    let start = || -> nvstore::Result<Client> {
+        lc.start_member("mon.1")?;
+        for n in 1..=started {
+            lc.start_member(&format!("node.{n}"))?;
+        }
+        let t = Instant::now();
+        loop {
+            match Client::from_config(&lc.client_config()) {
+                Ok(c) => return Ok(c),
+                Err(e) if t.elapsed() > WAIT => return Err(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(200)),
+            }
+        }
+    };
+    let client = match start() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = lc.down();
+            panic!("cluster start: {e}");
+        }
+    };
+    let h = Harness {
+        lc,
+        client,
+        _dir: dir,
+    };
+    for n in 1..=started {
+        wait_up(&h.client, n, true);
+    }
+    h
+}
+
+/// A node that joins can win an earlier slot of a PG from a member that then wins a later
+/// slot it could not draw before: that member stays in the PG at another slot, beside its
+/// shards of the old one. Once the PG is clean it removes those (nothing reads them), keeps
+/// the new slot's, and every object still reads back with two nodes dead. Before, the old
+/// slot's shards kept their space for ever.
+#[test]
+fn a_member_moved_to_another_slot_gives_back_the_old_slots_shards() {
+    use nvstore::node::scrub::locate_request;
+    use nvstore::placement::pg_members;
+
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster_partly_started(5, 4);
+    let c = &h.client;
+    // k + m = 4 nodes: before node 5 joins, every node holds a shard of every object.
+    let pool = c.create_pool("slots", 2, 2, 4096, 16, None).unwrap();
+    let objects = put_objects(c, pool, "m", 0, 48);
+    let clean = |s: &StatusReport| {
+        s.pg_states.keys().all(|k| k == "active+clean") && s.recovery.objects_left == 0
+    };
+    wait_recovered(c, clean);
+    let map = c.map();
+    let p = map.pools[&pool].clone();
+    let before: Vec<Vec<Option<u32>>> = (0..p.pg_num).map(|pg| pg_members(&map, &p, pg)).collect();
+
+    h.lc.start_member("node.5").unwrap();
+    wait_up(c, 5, true);
+    let map = c.map();
+    // (pg, node, old slot, new slot) of the members node 5's arrival moved within a PG.
+    let mut moved = Vec::new();
+    for pg in 0..p.pg_num {
+        let after = pg_members(&map, &p, pg);
+        for (old, n) in before[pg as usize].iter().enumerate() {
+            let Some(n) = *n else { continue };
+            if let Some(new) = after.iter().position(|m| *m == Some(n)) {
+                if new != old {
+                    moved.push((pg, n, old as u8, new as u8));
+                }
+            }
+        }
+    }
+    assert!(!moved.is_empty(), "node 5 moved no member to another slot");
+    let has = |node: u32, name: &str, slot: u8| {
+        c.node_call(
+            node,
+            nvstore::wire::MSG_NODE_LOCATE,
+            &locate_request(pool, name.as_bytes(), slot),
+        )
+        .is_ok()
+    };
+    let of_pg = |pg: u32| -> Vec<&str> {
+        objects
+            .iter()
+            .filter(|(n, _)| pg_of(&p, n.as_bytes()) == pg)
+            .map(|(n, _)| n.as_str())
+            .collect()
+    };
+    let shards: usize = moved.iter().map(|(pg, ..)| of_pg(*pg).len()).sum();
+    assert!(shards > 0, "{moved:?}");
+    wait_recovered(c, clean);
+    wait_until(
+        "the moved members to remove their old slots' shards",
+        || {
+            moved
+                .iter()
+                .all(|(pg, n, old, _)| of_pg(*pg).iter().all(|name| !has(*n, name, *old)))
+        },
+    );
+    for (pg, n, _, new) in &moved {
+        for name in of_pg(*pg) {
+            assert!(
+                has(*n, name, *new),
+                "node {n} lacks {name} of its slot {new}"
+            );
+        }
+        assert!(counter(c, *n, "recovery", "stray_keys_removed") > 0);
+    }
+    read_all(c, pool, &objects);
+    h.kill_nodes(&[1, 2]);
+    read_all(c, pool, &objects);
+}

@@ -15,8 +15,16 @@
 //! recovery listings (`SHARD_LIST`, `PG_LOG`) exclude each other (`Strays::gate`), so a
 //! primary that makes this node a member again never lists keys a batch then removes.
 //! Like Ceph removing a PG from an OSD that is no longer in its acting set once it is clean.
+//!
+//! A node can also stay a member of a PG at another slot: when a node joins the cluster and
+//! wins an earlier slot of a PG, the member it displaced may win a later slot it could not
+//! draw before (it held the earlier one). It keeps its shards of the old slot (pool, name,
+//! old slot) beside the new slot's, which recovery fills; nothing reads them either. The
+//! same scan finds them (shards and spilled rollback bytes of a slot other than the one the
+//! node holds; the PG's log entries and mark stay) and the same sweep removes them once the
+//! PG is clean — asking itself when it is the PG's primary.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -25,6 +33,7 @@ use messenger::{Incoming, OutMessage};
 use store::ObjectKey;
 use tracing::{debug, info};
 
+use super::local::SHARD_ROLLBACK_BIT;
 use super::Node;
 use crate::error::Result;
 use crate::map::{ClusterMap, PoolInfo};
@@ -40,8 +49,9 @@ const ASK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// (membership epoch, pool ids): what decides which PGs are stray.
 type SweepKey = (u64, Vec<u64>);
-/// Pool → stray PGs.
-type StrayPgs = BTreeMap<u64, BTreeSet<u32>>;
+/// Pool → PG → what of it is stray: `None` every key (this node is not a member), `Some(s)`
+/// the shards of slots other than `s`, the one it holds now (it held another slot before).
+type StrayPgs = BTreeMap<u64, BTreeMap<u32, Option<u8>>>;
 
 #[derive(Default)]
 pub struct Strays {
@@ -71,6 +81,17 @@ fn pg_of_key(info: &PoolInfo, k: &ObjectKey) -> Option<u32> {
         Some(0) | None => None,
         Some(_) => Some(pg_of(info, &k.name)),
     }
+}
+
+/// Whether `k` (a key of a PG whose slot `slot` this node holds) is a shard, or a shard's
+/// spilled rollback bytes, of another slot.
+fn other_slot(k: &ObjectKey, slot: u8) -> bool {
+    k.name.first().is_some_and(|b| *b != 0) && k.shard & !SHARD_ROLLBACK_BIT != slot
+}
+
+/// Whether a sweep removes `k`, a key of a PG whose stray part is `what`.
+fn is_stray(k: &ObjectKey, what: Option<u8>) -> bool {
+    what.is_none_or(|slot| other_slot(k, slot))
 }
 
 impl Node {
@@ -164,13 +185,13 @@ impl Node {
                 pgs.clear();
                 continue;
             };
-            let clean: HashSet<u32> = pgs
+            let clean: HashMap<u32, Option<u8>> = pgs
                 .iter()
-                .copied()
-                .filter(|pg| self.clean_at_primary(&map, info, *pg))
+                .filter(|(pg, _)| self.clean_at_primary(&map, info, **pg))
+                .map(|(pg, what)| (*pg, *what))
                 .collect();
             if !clean.is_empty() && self.purge_pgs(&map, info, &clean) {
-                pgs.retain(|pg| !clean.contains(pg));
+                pgs.retain(|pg, _| !clean.contains_key(pg));
             }
             waiting += pgs.len();
         }
@@ -179,18 +200,20 @@ impl Node {
         *self.strays.left.lock().unwrap() = Some((key, left));
     }
 
-    /// Pool → the PGs this node's stores hold keys of but the map does not make it a member of.
+    /// Pool → the PGs this node's stores hold keys of but the map does not make it a member
+    /// of, and those it is a member of but holds shards of another slot of.
     fn find_strays(&self, map: &ClusterMap) -> StrayPgs {
         let mut out = BTreeMap::new();
         for info in map.pools.values() {
-            let mine: HashSet<u32> = (0..info.pg_num)
-                .filter(|pg| pg_members(map, info, *pg).contains(&Some(self.id)))
+            let mine: HashMap<u32, u8> = (0..info.pg_num)
+                .filter_map(|pg| {
+                    let slot = pg_members(map, info, pg)
+                        .iter()
+                        .position(|m| *m == Some(self.id))?;
+                    Some((pg, slot as u8))
+                })
                 .collect();
-            let stray: BTreeSet<u32> = self
-                .local_pgs(info)
-                .into_iter()
-                .filter(|pg| !mine.contains(pg))
-                .collect();
+            let stray = self.local_strays(info, &mine);
             if !stray.is_empty() {
                 out.insert(info.id, stray);
             }
@@ -198,9 +221,10 @@ impl Node {
         out
     }
 
-    /// The PGs of `info` this node's stores hold any key of.
-    fn local_pgs(&self, info: &PoolInfo) -> BTreeSet<u32> {
-        let mut pgs = BTreeSet::new();
+    /// The stray part of each PG of `info` this node's stores hold keys of, given the slot
+    /// it holds of each PG it is a member of (`mine`).
+    fn local_strays(&self, info: &PoolInfo, mine: &HashMap<u32, u8>) -> BTreeMap<u32, Option<u8>> {
+        let mut stray = BTreeMap::new();
         for st in &self.local.stores {
             let mut from: Option<ObjectKey> = None;
             loop {
@@ -208,11 +232,24 @@ impl Node {
                 let Some(last) = batch.last().map(|(k, _)| k.clone()) else {
                     break;
                 };
-                pgs.extend(batch.iter().filter_map(|(k, _)| pg_of_key(info, k)));
+                for (k, _) in &batch {
+                    let Some(pg) = pg_of_key(info, k) else {
+                        continue;
+                    };
+                    match mine.get(&pg) {
+                        None => {
+                            stray.insert(pg, None);
+                        }
+                        Some(slot) if other_slot(k, *slot) => {
+                            stray.insert(pg, Some(*slot));
+                        }
+                        Some(_) => {}
+                    }
+                }
                 from = Some(last);
             }
         }
-        pgs
+        stray
     }
 
     /// Whether `pg`'s primary says it is clean (every member up and current).
@@ -220,6 +257,9 @@ impl Node {
         let Some(primary) = Acting::compute(map, info, pg).primary else {
             return false;
         };
+        if primary == self.id {
+            return self.is_clean(map.epoch, info.id, pg);
+        }
         let mut e = Enc::new(map.epoch);
         e.u64(info.id).u32(pg);
         let r = self.peer(primary).and_then(|c| {
@@ -235,9 +275,9 @@ impl Node {
         })
     }
 
-    /// Remove this node's keys of the `pgs` of `info`; false if the pass stopped early (the
-    /// membership changed, or a key changed under it).
-    fn purge_pgs(&self, map: &ClusterMap, info: &PoolInfo, pgs: &HashSet<u32>) -> bool {
+    /// Remove this node's stray keys of the `pgs` of `info`; false if the pass stopped early
+    /// (the membership changed, or a key changed under it).
+    fn purge_pgs(&self, map: &ClusterMap, info: &PoolInfo, pgs: &HashMap<u32, Option<u8>>) -> bool {
         let mut removed = 0u64;
         for st_idx in 0..self.local.stores.len() {
             let st = &self.local.stores[st_idx];
@@ -249,7 +289,11 @@ impl Node {
                 };
                 let batch: Vec<(ObjectKey, u64)> = listed
                     .into_iter()
-                    .filter(|(k, _)| pg_of_key(info, k).is_some_and(|pg| pgs.contains(&pg)))
+                    .filter(|(k, _)| {
+                        pg_of_key(info, k)
+                            .and_then(|pg| pgs.get(&pg))
+                            .is_some_and(|what| is_stray(k, *what))
+                    })
                     .map(|(k, s)| (k, s.version))
                     .collect();
                 from = Some(last);
@@ -286,10 +330,20 @@ impl Node {
         let epoch = d.u64()?;
         let (pool, pg) = (d.u64()?, d.u32()?);
         d.end()?;
+        Ok(wire::reply_ok(
+            self.epoch(),
+            &[self.is_clean(epoch, pool, pg) as u8],
+        ))
+    }
+
+    /// Whether this node leads `pg` at map `epoch` (waiting up to [`ASK_TIMEOUT`] for it),
+    /// every member is up, and its last recovery pass at the current node-change epoch, with
+    /// these members, left them all current.
+    fn is_clean(&self, epoch: u64, pool: u64, pg: u32) -> bool {
         if epoch > self.epoch() {
             self.monc.wait_epoch(epoch, ASK_TIMEOUT);
         }
-        let clean = epoch == self.epoch()
+        epoch == self.epoch()
             && self.recovery_ctx(pool, pg).is_some_and(|ctx| {
                 ctx.acting.up_count == ctx.n()
                     && self
@@ -305,8 +359,7 @@ impl Node {
                             )
                         })
                         .unwrap_or(false)
-            });
-        Ok(wire::reply_ok(self.epoch(), &[clean as u8]))
+            })
     }
 }
 
@@ -339,5 +392,26 @@ mod tests {
         let mark = super::super::local::mark_key(4, 9);
         assert_eq!(pg_of_key(&info, &mark), Some(9));
         assert_eq!(pg_of_key(&info, &ObjectKey::new(4, b"\0other", 0)), None);
+    }
+
+    /// Of a PG this node is a member of at slot 2, the shards (and spilled bytes) of other
+    /// slots are stray; its own slot's, the PG log entries and the mark are not. Of a PG it
+    /// is not a member of, every key is.
+    #[test]
+    fn other_slots_shards_are_stray_and_nothing_else_of_a_member() {
+        let shard = |s: u8| ObjectKey::new(4, b"obj-1", s);
+        assert!(!is_stray(&shard(2), Some(2)));
+        assert!(!is_stray(&shard(2 | SHARD_ROLLBACK_BIT), Some(2)));
+        assert!(is_stray(&shard(0), Some(2)));
+        assert!(is_stray(&shard(3 | SHARD_ROLLBACK_BIT), Some(2)));
+        let mut log = b"\0log".to_vec();
+        log.extend_from_slice(&11u32.to_be_bytes());
+        log.extend_from_slice(&7u64.to_be_bytes());
+        let log = ObjectKey::new(4, log, 0xFE);
+        let mark = super::super::local::mark_key(4, 11);
+        assert!(!is_stray(&log, Some(2)) && !is_stray(&mark, Some(2)));
+        for k in [shard(2), shard(0), log, mark] {
+            assert!(is_stray(&k, None));
+        }
     }
 }
