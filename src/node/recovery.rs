@@ -487,7 +487,6 @@ fn padded_shard_len(ctx: &Ctx, size: u64) -> u64 {
 // ---- member side ----------------------------------------------------------------------------
 
 impl Node {
-    /// Queue a recovery message (types 40..=44) for the low-priority shard threads.
     /// Queue a recovery message for the `node-rshard-N` threads. A primary's planning reads
     /// (`SHARD_LIST`, `PG_LOG`: small, read-only) go ahead of the queued object reads and
     /// writes: a primary plans its PGs one after another, and each of those reads waiting
