@@ -34,12 +34,6 @@ impl<T> WaitQueue<T> {
         self.cv.notify_one();
     }
 
-    /// Queue `v` ahead of everything queued (the next `pop` takes it).
-    pub fn push_front(&self, v: T) {
-        self.q.lock().unwrap().0.push_front(v);
-        self.cv.notify_one();
-    }
-
     /// The next item; `None` once closed and drained.
     pub fn pop(&self) -> Option<T> {
         let mut g = self.q.lock().unwrap();
@@ -141,20 +135,5 @@ mod tests {
             WaitQueue::<u8>::new().pop_timeout(Duration::from_millis(1)),
             None
         );
-    }
-
-    /// An item pushed to the front is taken before everything queued, and wakes a waiter.
-    #[test]
-    fn push_front_goes_first() {
-        let q = Arc::new(WaitQueue::new());
-        q.push(1);
-        q.push(2);
-        q.push_front(0);
-        assert_eq!((q.pop(), q.pop(), q.pop()), (Some(0), Some(1), Some(2)));
-        let q2 = q.clone();
-        let t = std::thread::spawn(move || q2.pop());
-        std::thread::sleep(Duration::from_millis(20));
-        q.push_front(7);
-        assert_eq!(t.join().unwrap(), Some(7));
     }
 }

@@ -487,18 +487,9 @@ fn padded_shard_len(ctx: &Ctx, size: u64) -> u64 {
 // ---- member side ----------------------------------------------------------------------------
 
 impl Node {
-    /// Queue a recovery message for the `node-rshard-N` threads. A primary's planning reads
-    /// (`SHARD_LIST`, `PG_LOG`: small, read-only) go ahead of the queued object reads and
-    /// writes: a primary plans its PGs one after another, and each of those reads waiting
-    /// behind other PGs' 1 MiB rebuild reads held back every later PG's rebuild (`bench
-    /// recovery`: 200–300 ms per PG once the rebuild ran, the last PGs planned just before
-    /// the end).
+    /// Queue a recovery message (types 40..=44) for the low-priority shard threads.
     pub(super) fn enqueue_recovery(&self, msg: Incoming) {
-        if matches!(msg.msg_type(), wire::MSG_SHARD_LIST | wire::MSG_PG_LOG) {
-            self.recovery_q.push_front(msg);
-        } else {
-            self.recovery_q.push(msg);
-        }
+        self.recovery_q.push(msg);
     }
 
     pub(super) fn recovery_shard_thread(self: Arc<Self>) {
