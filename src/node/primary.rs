@@ -90,6 +90,11 @@ pub struct PgCache {
     pub(super) last_version: u64,
     /// Newest version the up members were told they are complete through (their marks).
     pub(super) marked: u64,
+    /// Writes acknowledged without a member the node's current map has up (one failed, or a
+    /// node changed state while the write ran: its members came from the older map). A
+    /// recovery pass makes the PG complete only if none was acknowledged after it took the
+    /// members' logs (`Pass::skipped`): such a write may be in no plan.
+    pub(super) skipped: u64,
     /// Mutations this node applied as the PG's primary, by request id (kept across member
     /// changes: an op applied is applied, whoever led the PG since).
     applied: Applied,
@@ -1289,11 +1294,24 @@ impl Node {
             &shards,
             targets,
         );
+        // The members came from the map at the op's start (`refresh_cache`): a node that
+        // changed state since (marked up while this ran) may be missing from them.
+        let same_map = c.node_change_epoch == self.monc.node_change_epoch();
         match &acked {
-            Ok(a) if up_mask & !a == 0 => c.last_version = c.last_version.max(version),
+            Ok(a) if up_mask & !a == 0 && same_map => c.last_version = c.last_version.max(version),
             // Some up member (maybe this node) lags an object now: this node's shards no longer
-            // prove absence, and the members' marks cannot advance, until a recovery pass.
-            _ => c.complete_at = None,
+            // prove absence, and the members' marks cannot advance, until a recovery pass
+            // planned after this write — queued here: a pass that took the logs before it
+            // landed does not know it.
+            _ => {
+                c.complete_at = None;
+                c.skipped += 1;
+                self.recovery
+                    .retry
+                    .lock()
+                    .unwrap()
+                    .insert((ctx.pool.id, ctx.pg));
+            }
         }
         let acked = acked?;
         // The slots that replaced existing bytes keep them for a rollback that will not

@@ -174,6 +174,8 @@ struct Pass {
     /// Slots that were up when planned: each gets the mark at `version` if the pass succeeds.
     up_slots: Vec<usize>,
     version: u64,
+    /// `PgCache::skipped` before the members' logs were asked for.
+    skipped: u64,
     left: AtomicUsize,
     failed: AtomicBool,
 }
@@ -212,7 +214,7 @@ pub struct Recovery {
     /// Client shard ops queued or running on this node.
     pub(super) client_shard_queued: AtomicUsize,
     /// PGs to plan again after a failed pass.
-    retry: Mutex<BTreeSet<(u64, u32)>>,
+    pub(super) retry: Mutex<BTreeSet<(u64, u32)>>,
     active_passes: AtomicU64,
     pgs_pending: AtomicU64,
     objects_left: AtomicU64,
@@ -932,6 +934,9 @@ impl Node {
             return Ok(());
         };
         let up: Vec<usize> = (0..ctx.n()).filter(|s| ctx.up(*s).is_some()).collect();
+        // Before the logs: a write acknowledged without a member after this may be missing
+        // from them (`PgCache::skipped`); one acknowledged before is in them.
+        let skipped = self.pg_lock(pool, pg).lock().unwrap().skipped;
         let reqs = up
             .iter()
             .map(|s| {
@@ -975,6 +980,7 @@ impl Node {
             node_change_epoch,
             up_slots: up,
             version,
+            skipped,
             left: AtomicUsize::new(todo.len()),
             failed: AtomicBool::new(false),
         });
@@ -1017,10 +1023,16 @@ impl Node {
             let mut c = pg.lock().unwrap();
             if let Some(ctx) = self.recovery_ctx(pass.pool, pass.pg) {
                 self.refresh_cache(&ctx, &mut c);
-                if c.members == pass.members && c.node_change_epoch == pass.node_change_epoch {
+                if c.members == pass.members
+                    && c.node_change_epoch == pass.node_change_epoch
+                    && c.skipped == pass.skipped
+                {
                     c.complete_at = Some(pass.node_change_epoch);
                     // `mark_members` marked every up member complete through it.
                     c.marked = c.marked.max(pass.version);
+                } else if c.skipped != pass.skipped {
+                    // A write some member missed came after the logs: plan again.
+                    r.retry.lock().unwrap().insert((pass.pool, pass.pg));
                 }
             }
         }
