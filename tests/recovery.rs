@@ -22,21 +22,24 @@ fn cluster(nodes: u32) -> Harness {
     cluster_keeping_tombstones(nodes, LocalOptions::default().tombstone_keep_s)
 }
 
+/// These tests' cluster options: `nodes` nodes keeping removed objects' tombstones `secs`
+/// seconds, small devices, a quick down grace.
+fn options(nodes: u32, secs: u64) -> LocalOptions {
+    LocalOptions {
+        nodes,
+        monitors: 1,
+        device_bytes: 256 << 20,
+        down_grace_ms: 1500,
+        heartbeat_ms: 200,
+        op_threads: 4,
+        tombstone_keep_s: secs,
+        ..LocalOptions::default()
+    }
+}
+
 /// [`cluster`] whose nodes keep removed objects' tombstones `secs` seconds.
 fn cluster_keeping_tombstones(nodes: u32, secs: u64) -> Harness {
-    common::cluster(
-        "nvstore-recovery-test-",
-        &LocalOptions {
-            nodes,
-            monitors: 1,
-            device_bytes: 256 << 20,
-            down_grace_ms: 1500,
-            heartbeat_ms: 200,
-            op_threads: 4,
-            tombstone_keep_s: secs,
-            ..LocalOptions::default()
-        },
-    )
+    common::cluster("nvstore-recovery-test-", &options(nodes, secs))
 }
 
 /// Kill a node and mark it out: its shards are rebuilt on the PGs' new members (backfill),
@@ -1297,16 +1300,8 @@ fn cluster_partly_started(nodes: u32, started: u32) -> Harness {
         dir.path(),
         std::path::Path::new(env!("CARGO_BIN_EXE_nvstore")),
     );
-    lc.create(&LocalOptions {
-        nodes,
-        monitors: 1,
-        device_bytes: 256 << 20,
-        down_grace_ms: 1500,
-        heartbeat_ms: 200,
-        op_threads: 4,
-        ..LocalOptions::default()
-    })
-    .unwrap();
+    lc.create(&options(nodes, LocalOptions::default().tombstone_keep_s))
+        .unwrap();
     let start = || -> nvstore::Result<Client> {
         lc.start_member("mon.1")?;
         for n in 1..=started {
