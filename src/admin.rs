@@ -84,7 +84,9 @@ pub enum ConfigCommand {
     /// Print a node's runtime settings as JSON
     Get(NodeArg),
     /// Change one runtime setting until the node restarts: read_coalescing (true|false),
-    /// read_cache (true|false; false also empties it), slow_op_ms (milliseconds)
+    /// read_cache (true|false; false also empties it), slow_op_ms (milliseconds),
+    /// inject_write_delay_ms (fault injection: hold each client write led here this long
+    /// before its shards are sent; 0 = off)
     Set {
         /// Node id
         node: u32,

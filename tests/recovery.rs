@@ -309,6 +309,60 @@ fn a_node_back_within_the_log_window_is_caught_up_by_delta() {
     read_all(c, pool, &objects);
 }
 
+/// A write that took its PG's members while one was down, and is still in flight when that
+/// member comes back, must reach the member: the recovery pass planned for its return asks
+/// the members' logs, which cannot hold the write yet. The primary holds the write
+/// (`inject_write_delay_ms`) across the member's return; then two other members die, and the
+/// object reads back only if the returned member has its newest version. Before the fix
+/// (bd0c2bd) the pass finished without the write, the write's acknowledgement moved the PG's
+/// marks past it — the returned member's too — and the read failed ("version … is on 1
+/// shard(s)").
+#[test]
+fn a_write_in_flight_when_a_member_returns_reaches_that_member() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // k + m = 4 nodes: every PG has every node.
+    let h = cluster(4);
+    let c = &h.client;
+    let pool = c.create_pool("inflight", 2, 2, 4096, 4, None).unwrap();
+    let name = b"held";
+    c.put(pool, name, &bytes(1, 20_000)).unwrap();
+    wait_recovered(c, |_| true);
+    let map = c.map();
+    let info = &map.pools[&pool];
+    let primary = Acting::compute(&map, info, pg_of(info, name))
+        .primary
+        .unwrap();
+    let others: Vec<u32> = (1..=4).filter(|n| *n != primary).collect();
+    let (returning, doomed) = (others[0], &others[1..]);
+    h.kill_nodes(&[returning]);
+
+    c.config(primary, Some(("inject_write_delay_ms", "6000")))
+        .unwrap();
+    let newest = bytes(2, 30_000);
+    std::thread::scope(|s| {
+        let writer = s.spawn(|| c.put(pool, name, &newest));
+        wait_until("the write to be held", || {
+            counter(c, primary, "node", "writes_delayed") == 1
+        });
+        h.lc.start_member(&format!("node.{returning}")).unwrap();
+        wait_up(c, returning, true);
+        assert!(
+            !writer.is_finished(),
+            "the write must still be in flight when its member is back"
+        );
+        writer.join().unwrap().unwrap();
+    });
+    c.config(primary, Some(("inject_write_delay_ms", "0")))
+        .unwrap();
+    let s = wait_recovered(c, |s| s.pg_states.keys().all(|k| k == "active+clean"));
+    assert_eq!(s.recovery.failures, 0, "{:?}", s.recovery);
+
+    // The primary and the returned member are all that is left: k = 2 shards.
+    h.kill_nodes(doomed);
+    let got = c.get(pool, name).unwrap();
+    assert!(got == newest, "{} bytes read back wrong", got.len());
+}
+
 /// The delta window is the PG log (512 entries per PG), counted back from a member's mark. A
 /// primary advances the marks of members that acknowledged everything (`refresh_marks`), so
 /// after many more writes than the log holds, a node that goes down briefly is still caught up

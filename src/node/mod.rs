@@ -111,6 +111,8 @@ pub struct Counters {
     /// recorded those instead of summing), and those whose list did not (summed instead).
     pub shard_crcs_vouched: AtomicU64,
     pub shard_crcs_dropped: AtomicU64,
+    /// Client writes held by the `inject_write_delay_ms` runtime setting.
+    pub writes_delayed: AtomicU64,
 }
 
 /// A client op waiting on its PG: the message and its tracking.
@@ -175,6 +177,11 @@ pub struct Node {
     pub peer_ping: peerping::PeerPing,
     /// Keys of PGs this node is no longer a member of.
     pub strays: strays::Strays,
+    /// Fault injection (runtime setting `inject_write_delay_ms`, 0 = off): each client
+    /// write led here waits this long after taking its PG's members, before sending its
+    /// shards, as if the network to every member were that slow. For tests of what happens
+    /// while a write is in flight.
+    pub(crate) inject_write_delay_ms: AtomicU64,
 }
 
 struct NodeDispatcher {
@@ -990,6 +997,7 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
         recovery: recovery::Recovery::default(),
         peer_ping: peerping::PeerPing::default(),
         strays: strays::Strays::default(),
+        inject_write_delay_ms: AtomicU64::new(0),
     });
     node.forget_marks_after_salvage();
     let _ = node.msgr.set(msgr.clone());

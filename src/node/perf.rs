@@ -172,7 +172,7 @@ impl Node {
             driver::workload::peak_rss_kib(),
         );
         #[rustfmt::skip]
-        let rows: [(&'static str, Row); 49] = [
+        let rows: [(&'static str, Row); 50] = [
             ("client", ("read_ops", C, c.read_ops.load(Relaxed), "Client read ops run as primary")),
             ("client", ("write_ops", C, c.write_ops.load(Relaxed), "Client write ops run as primary")),
             ("client", ("read_bytes", C, c.read_bytes.load(Relaxed), "Bytes returned to clients")),
@@ -187,6 +187,7 @@ impl Node {
             ("node", ("peer_pings_answered", C, self.peer_ping.answered.load(Relaxed), "Pings other nodes answered")),
             ("node", ("peers_silent", G, self.peer_ping.silent(self.heartbeat_period()).len() as u64, "Other nodes that have not answered a ping for two heartbeat periods or more (reported to the monitor)")),
             ("node", ("boot_gate_refused", C, c.boot_gate_refused.load(Relaxed), "Shard ops refused before this node registered, or while its map lagged its boot epoch")),
+            ("node", ("writes_delayed", C, c.writes_delayed.load(Relaxed), "Client writes held by the inject_write_delay_ms runtime setting (fault injection)")),
             ("node", ("shard_crcs_vouched", C, c.shard_crcs_vouched.load(Relaxed), "Shard writes whose listed chunk CRCs matched the verified frame CRC (recorded without summing the bytes)")),
             ("node", ("shard_crcs_dropped", C, c.shard_crcs_dropped.load(Relaxed), "Shard writes whose listed chunk CRCs did not describe the bytes (summed instead)")),
             ("recovery", ("marks_refreshed", C, self.recovery.marks_refreshed.load(Relaxed), "Times a PG's member marks were advanced between passes")),
@@ -349,6 +350,7 @@ impl Node {
             "read_coalescing": self.hot.enabled(),
             "read_cache": self.local.stores.iter().any(|s| s.cache_stats().capacity > 0),
             "slow_op_ms": self.perf.ops.threshold().as_millis() as u64,
+            "inject_write_delay_ms": self.inject_write_delay_ms.load(Relaxed),
         })
     }
 
@@ -384,12 +386,19 @@ impl Node {
                     .map_err(|_| bad("milliseconds (an integer)"))?;
                 self.perf.ops.set_threshold(Duration::from_millis(ms));
             }
+            "inject_write_delay_ms" => {
+                let ms: u64 = value
+                    .parse()
+                    .map_err(|_| bad("milliseconds (an integer; 0 turns it off)"))?;
+                self.inject_write_delay_ms.store(ms, Relaxed);
+            }
             _ => {
                 return Err(Error::remote(
                     Status::Invalid,
                     format!(
                         "no runtime setting {key:?}; settable: read_coalescing, read_cache, \
-                         slow_op_ms (others need node.toml and a restart)"
+                         slow_op_ms, inject_write_delay_ms (others need node.toml and a \
+                         restart)"
                     ),
                 ))
             }

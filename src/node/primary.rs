@@ -1283,6 +1283,11 @@ impl Node {
             m.xattrs.clone()
         };
         let reqs = st.reqs.after(reqid, version);
+        let delay = self.inject_write_delay_ms.load(Relaxed);
+        if delay > 0 {
+            self.counters.writes_delayed.fetch_add(1, Relaxed);
+            std::thread::sleep(Duration::from_millis(delay));
+        }
         let acked = self.replicate(
             ctx,
             name,
