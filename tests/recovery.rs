@@ -311,12 +311,13 @@ fn a_node_back_within_the_log_window_is_caught_up_by_delta() {
 
 /// A write that took its PG's members while one was down, and is still in flight when that
 /// member comes back, must reach the member: the recovery pass planned for its return asks
-/// the members' logs, which cannot hold the write yet. The primary holds the write
+/// the members' logs, which cannot hold the write yet. The primary holds the write between
+/// choosing its members (the member still down) and sending its shards
 /// (`inject_write_delay_ms`) across the member's return; then two other members die, and the
-/// object reads back only if the returned member has its newest version. Before the fix
-/// (bd0c2bd) the pass finished without the write, the write's acknowledgement moved the PG's
-/// marks past it — the returned member's too — and the read failed ("version … is on 1
-/// shard(s)").
+/// object reads back only if the returned member has its newest version. Without bd0c2bd
+/// (checked by reverting it) the pass finished without the write, the write's
+/// acknowledgement moved the PG's marks past it — the returned member's too — and the read
+/// failed: "version … is on 1 shard(s) (k = 2)".
 #[test]
 fn a_write_in_flight_when_a_member_returns_reaches_that_member() {
     let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());

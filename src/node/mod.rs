@@ -178,9 +178,9 @@ pub struct Node {
     /// Keys of PGs this node is no longer a member of.
     pub strays: strays::Strays,
     /// Fault injection (runtime setting `inject_write_delay_ms`, 0 = off): each client
-    /// write led here waits this long after taking its PG's members, before sending its
-    /// shards, as if the network to every member were that slow. For tests of what happens
-    /// while a write is in flight.
+    /// write led here waits this long between choosing the members its shards go to (by the
+    /// map of that moment) and sending them, as if the network to every member were that
+    /// slow. For tests of what happens while a write is in flight.
     pub(crate) inject_write_delay_ms: AtomicU64,
 }
 

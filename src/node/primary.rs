@@ -1283,11 +1283,6 @@ impl Node {
             m.xattrs.clone()
         };
         let reqs = st.reqs.after(reqid, version);
-        let delay = self.inject_write_delay_ms.load(Relaxed);
-        if delay > 0 {
-            self.counters.writes_delayed.fetch_add(1, Relaxed);
-            std::thread::sleep(Duration::from_millis(delay));
-        }
         let acked = self.replicate(
             ctx,
             name,
@@ -1558,6 +1553,7 @@ impl Node {
         let mut attempted_epoch = 0u64;
         let mut last_err = String::new();
         let mut ctx_map = ctx.map.clone();
+        let mut attempts = 0u32;
         loop {
             let map = self.monc.map();
             // A failed member is tried again when the map changes or after a pause (a
@@ -1589,6 +1585,15 @@ impl Node {
                 .filter(|s| up(*s) && acked & bit(*s) == 0 && failed & bit(*s) == 0)
                 .collect();
             if !todo.is_empty() {
+                if attempts == 0 {
+                    // Fault injection: the members are chosen, the shards not yet sent.
+                    let delay = self.inject_write_delay_ms.load(Relaxed);
+                    if delay > 0 {
+                        self.counters.writes_delayed.fetch_add(1, Relaxed);
+                        std::thread::sleep(Duration::from_millis(delay));
+                    }
+                }
+                attempts += 1;
                 let sub = Ctx {
                     map: ctx_map.clone(),
                     pool: ctx.pool.clone(),
