@@ -364,6 +364,57 @@ fn a_write_in_flight_when_a_member_returns_reaches_that_member() {
     assert!(got == newest, "{} bytes read back wrong", got.len());
 }
 
+/// A write whose PG changes hands while its shards are on their way: the old primary holds an
+/// append between choosing its members and sending its shards (`inject_write_delay_ms`) and
+/// is marked out meanwhile. The client resends the append to the new primary on the new map;
+/// the old primary's shards go out after that (the test waits for them) and the members, on
+/// the newer map, refuse them (`check_shard_sender`). The object ends with the bytes appended
+/// exactly once, on every member, as reads with two of them dead show.
+#[test]
+fn a_write_held_while_its_pg_changes_hands_lands_exactly_once() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // 5 nodes, k + m = 4: the out node's slot goes to the fifth.
+    let h = cluster(5);
+    let c = &h.client;
+    let pool = c.create_pool("handover", 2, 2, 4096, 4, None).unwrap();
+    let name = b"journal";
+    c.put(pool, name, b"first;").unwrap();
+    wait_recovered(c, |_| true);
+    let map = c.map();
+    let info = &map.pools[&pool];
+    let pg = pg_of(info, name);
+    let old = Acting::compute(&map, info, pg).primary.unwrap();
+
+    c.config(old, Some(("inject_write_delay_ms", "3000")))
+        .unwrap();
+    std::thread::scope(|s| {
+        let writer = s.spawn(|| c.append(pool, name, b"second;"));
+        wait_until("the append to be held", || {
+            counter(c, old, "node", "writes_delayed") == 1
+        });
+        mark_out(&h, old);
+        // The client sends the append again to the new primary on the new map.
+        writer.join().unwrap().unwrap();
+    });
+    // The old primary's shards go out after it lost the PG.
+    wait_until("the held append to be sent", || {
+        counter(c, old, "node", "writes_held") == 0
+    });
+    c.config(old, Some(("inject_write_delay_ms", "0"))).unwrap();
+    let map = c.map();
+    let now = Acting::compute(&map, &map.pools[&pool], pg);
+    assert!(!now.members.contains(&Some(old)), "{now:?}");
+    assert_ne!(now.primary, Some(old));
+    let s = wait_recovered(c, |s| s.pg_states.keys().all(|k| k == "active+clean"));
+    assert_eq!(s.recovery.failures, 0, "{:?}", s.recovery);
+    assert_eq!(c.get(pool, name).unwrap(), b"first;second;");
+
+    // Any two members die, the old primary with them: the rest agree.
+    let members: Vec<u32> = now.members.iter().flatten().copied().collect();
+    h.kill_nodes(&[old, members[0], members[1]]);
+    assert_eq!(c.get(pool, name).unwrap(), b"first;second;");
+}
+
 /// The delta window is the PG log (512 entries per PG), counted back from a member's mark. A
 /// primary advances the marks of members that acknowledged everything (`refresh_marks`), so
 /// after many more writes than the log holds, a node that goes down briefly is still caught up

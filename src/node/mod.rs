@@ -111,8 +111,10 @@ pub struct Counters {
     /// recorded those instead of summing), and those whose list did not (summed instead).
     pub shard_crcs_vouched: AtomicU64,
     pub shard_crcs_dropped: AtomicU64,
-    /// Client writes held by the `inject_write_delay_ms` runtime setting.
+    /// Client writes held by the `inject_write_delay_ms` runtime setting, and those of them
+    /// still sending their shards (the hold over or not).
     pub writes_delayed: AtomicU64,
+    pub writes_held: AtomicU64,
 }
 
 /// A client op waiting on its PG: the message and its tracking.

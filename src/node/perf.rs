@@ -172,7 +172,7 @@ impl Node {
             driver::workload::peak_rss_kib(),
         );
         #[rustfmt::skip]
-        let rows: [(&'static str, Row); 50] = [
+        let rows: [(&'static str, Row); 51] = [
             ("client", ("read_ops", C, c.read_ops.load(Relaxed), "Client read ops run as primary")),
             ("client", ("write_ops", C, c.write_ops.load(Relaxed), "Client write ops run as primary")),
             ("client", ("read_bytes", C, c.read_bytes.load(Relaxed), "Bytes returned to clients")),
@@ -188,6 +188,7 @@ impl Node {
             ("node", ("peers_silent", G, self.peer_ping.silent(self.heartbeat_period()).len() as u64, "Other nodes that have not answered a ping for two heartbeat periods or more (reported to the monitor)")),
             ("node", ("boot_gate_refused", C, c.boot_gate_refused.load(Relaxed), "Shard ops refused before this node registered, or while its map lagged its boot epoch")),
             ("node", ("writes_delayed", C, c.writes_delayed.load(Relaxed), "Client writes held by the inject_write_delay_ms runtime setting (fault injection)")),
+            ("node", ("writes_held", G, c.writes_held.load(Relaxed), "Of those, writes not yet done sending their shards")),
             ("node", ("shard_crcs_vouched", C, c.shard_crcs_vouched.load(Relaxed), "Shard writes whose listed chunk CRCs matched the verified frame CRC (recorded without summing the bytes)")),
             ("node", ("shard_crcs_dropped", C, c.shard_crcs_dropped.load(Relaxed), "Shard writes whose listed chunk CRCs did not describe the bytes (summed instead)")),
             ("recovery", ("marks_refreshed", C, self.recovery.marks_refreshed.load(Relaxed), "Times a PG's member marks were advanced between passes")),

@@ -1554,6 +1554,8 @@ impl Node {
         let mut last_err = String::new();
         let mut ctx_map = ctx.map.clone();
         let mut attempts = 0u32;
+        // Counts this write in `writes_held` until it returns, once injection held it.
+        let mut _held: Option<HeldWrite> = None;
         loop {
             let map = self.monc.map();
             // A failed member is tried again when the map changes or after a pause (a
@@ -1590,6 +1592,8 @@ impl Node {
                     let delay = self.inject_write_delay_ms.load(Relaxed);
                     if delay > 0 {
                         self.counters.writes_delayed.fetch_add(1, Relaxed);
+                        self.counters.writes_held.fetch_add(1, Relaxed);
+                        _held = Some(HeldWrite(&self.counters.writes_held));
                         std::thread::sleep(Duration::from_millis(delay));
                     }
                 }
@@ -1699,6 +1703,16 @@ impl Node {
             // Wait for the map to change (a failed member marked down, or one coming back).
             self.monc.wait_change(attempted_epoch, RETRY_PAUSE);
         }
+    }
+}
+
+/// A write the `inject_write_delay_ms` fault injection held, counted in
+/// `Counters::writes_held` until its `replicate` returns.
+struct HeldWrite<'a>(&'a std::sync::atomic::AtomicU64);
+
+impl Drop for HeldWrite<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
     }
 }
 
