@@ -43,7 +43,7 @@ pub enum Command {
         #[command(subcommand)]
         cmd: crate::cluster_cmd::ClusterCommand,
     },
-    /// Pools: create, ls
+    /// Pools: create, ls, delete
     Pool {
         #[command(subcommand)]
         cmd: crate::cluster_cmd::PoolCommand,
