@@ -321,16 +321,43 @@ fn a_node_back_within_the_log_window_is_caught_up_by_delta() {
 #[test]
 fn a_write_in_flight_when_a_member_returns_reaches_that_member() {
     let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    // k + m = 4 nodes: every PG has every node.
+    let newest = bytes(2, 30_000);
+    let c = &held_across_a_members_return(|c, pool, name| c.put(pool, name, &newest)).client;
+    let got = c.get(1, HELD).unwrap();
+    assert!(got == newest, "{} bytes read back wrong", got.len());
+}
+
+/// [`a_write_in_flight_when_a_member_returns_reaches_that_member`] for a remove: the
+/// returned member must not keep the object (it had the version before the remove).
+#[test]
+fn a_remove_in_flight_when_a_member_returns_reaches_that_member() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let c = &held_across_a_members_return(|c, pool, name| c.remove(pool, name)).client;
+    let e = c.stat(1, HELD).unwrap_err();
+    assert!(e.to_string().contains("no object"), "{e}");
+    assert!(c.list(1).unwrap().is_empty());
+}
+
+/// The object [`held_across_a_members_return`] holds a mutation of (pool id 1).
+const HELD: &[u8] = b"held";
+
+/// On 4 nodes (k = 2, m = 2: every PG has every node), object [`HELD`] is written, then a
+/// member of its PG killed; the primary holds `mutate` between choosing its members and
+/// sending its shards while the member is restarted and marked up; recovery finishes; the
+/// two members other than the primary and the returned one are killed. Returns the cluster:
+/// what is read now needs the returned member's shard.
+fn held_across_a_members_return(
+    mutate: impl Fn(&Client, u64, &[u8]) -> nvstore::Result<u64> + Sync,
+) -> Harness {
     let h = cluster(4);
     let c = &h.client;
     let pool = c.create_pool("inflight", 2, 2, 4096, 4, None).unwrap();
-    let name = b"held";
-    c.put(pool, name, &bytes(1, 20_000)).unwrap();
+    assert_eq!(pool, 1);
+    c.put(pool, HELD, &bytes(1, 20_000)).unwrap();
     wait_recovered(c, |_| true);
     let map = c.map();
     let info = &map.pools[&pool];
-    let primary = Acting::compute(&map, info, pg_of(info, name))
+    let primary = Acting::compute(&map, info, pg_of(info, HELD))
         .primary
         .unwrap();
     let others: Vec<u32> = (1..=4).filter(|n| *n != primary).collect();
@@ -339,17 +366,16 @@ fn a_write_in_flight_when_a_member_returns_reaches_that_member() {
 
     c.config(primary, Some(("inject_write_delay_ms", "6000")))
         .unwrap();
-    let newest = bytes(2, 30_000);
     std::thread::scope(|s| {
-        let writer = s.spawn(|| c.put(pool, name, &newest));
-        wait_until("the write to be held", || {
+        let writer = s.spawn(|| mutate(c, pool, HELD));
+        wait_until("the mutation to be held", || {
             counter(c, primary, "node", "writes_delayed") == 1
         });
         h.lc.start_member(&format!("node.{returning}")).unwrap();
         wait_up(c, returning, true);
         assert!(
             !writer.is_finished(),
-            "the write must still be in flight when its member is back"
+            "the mutation must still be in flight when its member is back"
         );
         writer.join().unwrap().unwrap();
     });
@@ -360,8 +386,7 @@ fn a_write_in_flight_when_a_member_returns_reaches_that_member() {
 
     // The primary and the returned member are all that is left: k = 2 shards.
     h.kill_nodes(doomed);
-    let got = c.get(pool, name).unwrap();
-    assert!(got == newest, "{} bytes read back wrong", got.len());
+    h
 }
 
 /// A write whose PG changes hands while its shards are on their way: the old primary holds an
