@@ -338,6 +338,64 @@ fn a_remove_in_flight_when_a_member_returns_reaches_that_member() {
     assert!(c.list(1).unwrap().is_empty());
 }
 
+/// A primary that lost its PG while its write was held must not write its own shard either.
+/// The member before it comes back and leads the PG again, with the first node still a member
+/// at the same slot; the client's resend makes the new version on every member; then the old
+/// primary's held write goes out. The members refuse its shards (`check_shard_sender`), and
+/// its own shard — written locally, with no sender to check — must be refused too: it would
+/// put the older version under the newer one on that slot, behind the marks' back. With two
+/// other members dead the object reads back only from the two that held the PG.
+#[test]
+fn a_primary_that_lost_its_pg_while_a_write_was_held_leaves_its_own_shard_alone() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(4);
+    let c = &h.client;
+    let pool = c.create_pool("overtaken", 2, 2, 4096, 4, None).unwrap();
+    let name = b"overtaken";
+    c.put(pool, name, &bytes(1, 20_000)).unwrap();
+    wait_recovered(c, |_| true);
+    let map = c.map();
+    let info = &map.pools[&pool];
+    let members: Vec<u32> = Acting::compute(&map, info, pg_of(info, name))
+        .members
+        .iter()
+        .flatten()
+        .copied()
+        .collect();
+    let (first, second) = (members[0], members[1]);
+    h.kill_nodes(&[first]);
+    let map = c.map();
+    let a = Acting::compute(&map, &map.pools[&pool], pg_of(info, name));
+    assert_eq!(a.primary, Some(second), "{a:?}");
+
+    c.config(second, Some(("inject_write_delay_ms", "4000")))
+        .unwrap();
+    let newest = bytes(2, 30_000);
+    std::thread::scope(|s| {
+        let writer = s.spawn(|| c.put(pool, name, &newest));
+        wait_until("the write to be held", || {
+            counter(c, second, "node", "writes_delayed") == 1
+        });
+        h.lc.start_member(&format!("node.{first}")).unwrap();
+        wait_up(c, first, true);
+        writer.join().unwrap().unwrap();
+    });
+    wait_until("the held write to be sent", || {
+        counter(c, second, "node", "writes_held") == 0
+    });
+    c.config(second, Some(("inject_write_delay_ms", "0")))
+        .unwrap();
+    let s = wait_recovered(c, |s| s.pg_states.keys().all(|k| k == "active+clean"));
+    assert_eq!(s.recovery.failures, 0, "{:?}", s.recovery);
+    let map = c.map();
+    let a = Acting::compute(&map, &map.pools[&pool], pg_of(info, name));
+    assert_eq!(a.primary, Some(first), "{a:?}");
+
+    h.kill_nodes(&members[2..]);
+    let got = c.get(pool, name).unwrap();
+    assert!(got == newest, "{} bytes read back wrong", got.len());
+}
+
 /// The object [`held_across_a_members_return`] holds a mutation of (pool id 1).
 const HELD: &[u8] = b"held";
 

@@ -565,25 +565,39 @@ impl Node {
         if epoch > self.epoch() {
             self.monc.wait_epoch(epoch, EPOCH_WAIT);
         }
+        self.check_sender(msg.peer(), epoch, pool, pg)
+    }
+
+    /// What a member checks of a primary's shard or recovery op that changes its shards, its
+    /// log or its marks — here made of this node's own such op as a primary (its own shard is
+    /// written, dropped or rolled back in place, not sent): a primary that lost the PG while
+    /// the op was under way (a newer map has another primary, or another primary of a newer
+    /// epoch has sent this node ops of the PG) must not change its own shard either, or it
+    /// could put an older version under the newer one there, behind the marks' back.
+    pub(super) fn check_own_op(&self, epoch: u64, pool: u64, pg: u32) -> Result<()> {
+        self.check_sender(Identity::Node(self.id), epoch, pool, pg)
+    }
+
+    /// [`Self::check_shard_sender`] after the boot gate, for `sender`'s op of `epoch`.
+    fn check_sender(&self, sender: Identity, epoch: u64, pool: u64, pg: u32) -> Result<()> {
         if epoch < self.epoch() {
             let map = self.monc.map();
             let Some(p) = map.pools.get(&pool) else {
                 return Err(Error::remote(Status::NoSuchPool, format!("pool {pool}")));
             };
             let a = crate::placement::Acting::compute(&map, p, pg);
-            if a.primary.map(Identity::Node) != Some(msg.peer()) {
+            if a.primary.map(Identity::Node) != Some(sender) {
                 return Err(Error::remote(
                     Status::StaleEpoch,
                     format!(
-                        "{} is not the primary of pg {pool}.{pg:x} at epoch {}",
-                        msg.peer(),
+                        "{sender} is not the primary of pg {pool}.{pg:x} at epoch {}",
                         map.epoch
                     ),
                 ));
             }
         }
         // Only a sender that passed the map check is recorded as the PG's newest primary.
-        self.check_interval(msg.peer(), epoch, pool, pg)
+        self.check_interval(sender, epoch, pool, pg)
     }
 
     /// Hold a shard op until this node's map has reached the epoch its Boot was committed at

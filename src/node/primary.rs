@@ -585,12 +585,13 @@ impl Node {
 
     pub(super) fn local_shard_op(&self, msg_type: u16, body: &[u8]) -> Result<Vec<u8>> {
         let mut d = Dec::new(body);
-        let _epoch = d.u64()?;
+        let epoch = d.u64()?;
         let mut e = Enc::new(self.epoch());
         e.u16(Status::Ok as u16);
         match msg_type {
             wire::MSG_SHARD_WRITE => {
                 let w = ShardWrite::decode(&mut d)?;
+                self.check_own_op(epoch, w.pool, w.pg)?;
                 self.local.apply(&w)?;
             }
             t => {
@@ -598,6 +599,10 @@ impl Node {
                 let pg = d.u32()?;
                 let name = d.bytes()?;
                 let shard = d.u8()?;
+                if !matches!(t, wire::MSG_SHARD_READ | wire::MSG_SHARD_STAT) {
+                    // A drop or a rollback.
+                    self.check_own_op(epoch, pool, pg)?;
+                }
                 match t {
                     wire::MSG_SHARD_READ => {
                         let (v, off, len) = (d.u64()?, d.u64()?, d.u64()?);
@@ -1631,12 +1636,14 @@ impl Node {
                     })
                     .collect();
                 let local = |s: usize, _parts: Vec<SendBuf>| -> Result<Payload> {
+                    self.check_own_op(ctx_map.epoch, ctx.pool.id, ctx.pg)?;
                     self.local.apply(&write(s))?;
                     Ok(Payload::from_vec(Vec::new()))
                 };
                 // A small create of this node's shard commits while the remote ones travel;
                 // its durability is one more reply to wait for, not a sleep of its own.
                 let start = |s: usize, done: LocalDone| -> Result<bool> {
+                    self.check_own_op(ctx_map.epoch, ctx.pool.id, ctx.pg)?;
                     let op = optrack::current();
                     self.local.apply_async(
                         &write(s),

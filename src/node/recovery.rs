@@ -843,12 +843,13 @@ impl Node {
     /// The local half of a recovery request (same bodies and replies as over the wire).
     fn local_recovery_op(&self, msg_type: u16, body: &[u8]) -> Result<Vec<u8>> {
         let mut d = Dec::new(body);
-        let _epoch = d.u64()?;
+        let epoch = d.u64()?;
         let mut e = Enc::new(self.epoch());
         e.u16(Status::Ok as u16);
         match msg_type {
             wire::MSG_RECOVERY_WRITE => {
                 let w = ShardWrite::decode(&mut d)?;
+                self.check_own_op(epoch, w.pool, w.pg)?;
                 self.apply_recovery(&w)?;
             }
             wire::MSG_RECOVERY_READ => {
@@ -863,16 +864,19 @@ impl Node {
             }
             wire::MSG_PG_MARK => {
                 let (pool, pg, slot, v) = (d.u64()?, d.u32()?, d.u8()?, d.u64()?);
+                self.check_own_op(epoch, pool, pg)?;
                 self.set_mark(pool, pg, slot, v)?;
             }
             wire::MSG_SHARD_FORGET => {
                 let (pool, pg) = (d.u64()?, d.u32()?);
                 let (shard, entries) = decode_settle(&mut d)?;
+                self.check_own_op(epoch, pool, pg)?;
                 e.u64(self.forget_tombstones(pool, pg, shard, &entries)?);
             }
             wire::MSG_SHARD_SETTLE => {
                 let (pool, pg) = (d.u64()?, d.u32()?);
                 let (shard, entries) = decode_settle(&mut d)?;
+                self.check_own_op(epoch, pool, pg)?;
                 e.u64(self.settle(pool, pg, shard, &entries)?);
             }
             wire::MSG_SHARD_LIST => {
