@@ -383,6 +383,8 @@ fn a_primary_that_lost_its_pg_while_a_write_was_held_leaves_its_own_shard_alone(
     wait_until("the held write to be sent", || {
         counter(c, second, "node", "writes_held") == 0
     });
+    // Its own shard write was refused (the members' refusals count on the members).
+    assert!(counter(c, second, "node", "stale_primary_refused") >= 1);
     c.config(second, Some(("inject_write_delay_ms", "0")))
         .unwrap();
     let s = wait_recovered(c, |s| s.pg_states.keys().all(|k| k == "active+clean"));

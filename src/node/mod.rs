@@ -98,7 +98,8 @@ pub struct Counters {
     pub resolves_asked: AtomicU64,
     /// Object states known absent without one (`PgCache::complete_at`).
     pub resolves_absent_local: AtomicU64,
-    /// Shard and recovery ops refused because a newer primary of the PG had been seen.
+    /// Shard and recovery ops refused because a newer map or a newer primary's ops name
+    /// another primary of the PG (this node's own ops on its own shard included).
     pub stale_primary_refused: AtomicU64,
     /// Client ops refused because they were sent before their PG's current interval.
     pub stale_ops_refused: AtomicU64,
@@ -587,6 +588,7 @@ impl Node {
             };
             let a = crate::placement::Acting::compute(&map, p, pg);
             if a.primary.map(Identity::Node) != Some(sender) {
+                self.counters.stale_primary_refused.fetch_add(1, Relaxed);
                 return Err(Error::remote(
                     Status::StaleEpoch,
                     format!(

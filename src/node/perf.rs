@@ -180,7 +180,7 @@ impl Node {
             ("client", ("resolves_asked", C, c.resolves_asked.load(Relaxed), "Object states resolved by a stat round to the members")),
             ("client", ("inline_reads", C, self.hot.counters.inline_reads.load(Relaxed), "Read-only ops answered on the messenger worker from the cached object state and the hot-object cache")),
             ("client", ("resolves_absent_local", C, c.resolves_absent_local.load(Relaxed), "Objects known absent from this complete member's own shards, without a stat round")),
-            ("node", ("stale_primary_refused", C, c.stale_primary_refused.load(Relaxed), "Shard ops refused from a primary that a newer one of the PG superseded")),
+            ("node", ("stale_primary_refused", C, c.stale_primary_refused.load(Relaxed), "Shard and recovery ops refused from a primary that a newer map or a newer primary of the PG superseded (this node's own, as a primary that lost the PG, included)")),
             ("node", ("stale_ops_refused", C, c.stale_ops_refused.load(Relaxed), "Client ops refused because they were sent before their PG's current interval (the client resends them)")),
             ("client", ("resends_answered", C, c.resends_answered.load(Relaxed), "Resent client mutations answered with the version they made the first time, not applied again")),
             ("node", ("peer_pings_sent", C, self.peer_ping.sent.load(Relaxed), "Pings sent to other nodes (failure reports, node/peerping.rs)")),
