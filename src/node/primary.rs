@@ -1558,7 +1558,7 @@ impl Node {
         let mut attempted_epoch = 0u64;
         let mut last_err = String::new();
         let mut ctx_map = ctx.map.clone();
-        let mut attempts = 0u32;
+        let mut first_send = true;
         // Counts this write in `writes_held` until it returns, once injection held it.
         let mut _held: Option<HeldWrite> = None;
         loop {
@@ -1592,7 +1592,7 @@ impl Node {
                 .filter(|s| up(*s) && acked & bit(*s) == 0 && failed & bit(*s) == 0)
                 .collect();
             if !todo.is_empty() {
-                if attempts == 0 {
+                if std::mem::take(&mut first_send) {
                     // Fault injection: the members are chosen, the shards not yet sent.
                     let delay = self.inject_write_delay_ms.load(Relaxed);
                     if delay > 0 {
@@ -1602,7 +1602,6 @@ impl Node {
                         std::thread::sleep(Duration::from_millis(delay));
                     }
                 }
-                attempts += 1;
                 let sub = Ctx {
                     map: ctx_map.clone(),
                     pool: ctx.pool.clone(),
@@ -1635,13 +1634,14 @@ impl Node {
                         (s, parts)
                     })
                     .collect();
+                // Only after `start` (below) declined, which checked the op already.
                 let local = |s: usize, _parts: Vec<SendBuf>| -> Result<Payload> {
-                    self.check_own_op(ctx_map.epoch, ctx.pool.id, ctx.pg)?;
                     self.local.apply(&write(s))?;
                     Ok(Payload::from_vec(Vec::new()))
                 };
                 // A small create of this node's shard commits while the remote ones travel;
                 // its durability is one more reply to wait for, not a sleep of its own.
+                // First this node's check of its own shard op (`check_own_op`), once per send.
                 let start = |s: usize, done: LocalDone| -> Result<bool> {
                     self.check_own_op(ctx_map.epoch, ctx.pool.id, ctx.pg)?;
                     let op = optrack::current();
