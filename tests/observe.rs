@@ -367,11 +367,14 @@ fn counters_slow_ops_metrics_and_thread_names() {
         assert_eq!(c.perf_reset(n).unwrap()["reset"], true);
     }
     let reset = dump_all(c);
-    for d in &reset {
-        assert_eq!(u(d, "store.txns"), 0, "{d:#}");
+    for (d, was) in reset.iter().zip(&after) {
         assert_eq!(u(d, "client.write_ops"), 0);
         assert_eq!(u(d, "ec.encoded_bytes"), 0);
-        assert_eq!(u(d, "driver.writes"), 0);
+        // Store and device counters start again too, but a background transaction (a PG
+        // mark another node's primary advances every 2 s) may land right after the reset.
+        for k in ["store.txns", "driver.writes"] {
+            assert!(u(d, k) <= 2 && u(d, k) < u(was, k), "{k}: {d:#}");
+        }
         let dev = d["store"]["by_device"].as_object().unwrap();
         let gauge = dev.values().next().unwrap()["segments_total"].as_u64();
         assert!(gauge > Some(0), "gauges survive a reset");
