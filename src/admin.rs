@@ -86,7 +86,9 @@ pub enum ConfigCommand {
     /// Change one runtime setting until the node restarts: read_coalescing (true|false),
     /// read_cache (true|false; false also empties it), slow_op_ms (milliseconds),
     /// inject_write_delay_ms (fault injection: hold each client write led here this long
-    /// before its shards are sent; 0 = off)
+    /// before its shards are sent; 0 = off), inject_shard_apply_delay_ms (fault injection:
+    /// hold each shard write a primary sends here this long between its check and its
+    /// apply; 0 = off)
     Set {
         /// Node id
         node: u32,

@@ -627,8 +627,18 @@ fn runtime_config_changes_a_running_node(h: &Harness) {
         .unwrap_err()
         .to_string();
     assert!(e.contains("expected milliseconds"), "{e}");
+    assert_eq!(
+        v["inject_shard_apply_delay_ms"], 0,
+        "fault injection is off: {v}"
+    );
+    let e = c
+        .config(3, Some(("inject_shard_apply_delay_ms", "1.5")))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("expected milliseconds"), "{e}");
     let v = c.config(3, None).unwrap();
     assert_eq!(v["inject_write_delay_ms"], 0, "{v}");
+    assert_eq!(v["inject_shard_apply_delay_ms"], 0, "{v}");
     assert_eq!(
         (&v["read_coalescing"], &v["slow_op_ms"]),
         (&false.into(), &2500.into())

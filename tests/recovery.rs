@@ -664,6 +664,104 @@ fn a_member_that_answered_a_newer_primary_refuses_the_old_one() {
     mq.shutdown();
 }
 
+/// The hand-over between two primaries at a member (src/node/interval.rs): a shard write of
+/// the old primary that passed the member's check just before the new primary's first op
+/// (its query of the PG log) must be applied before the member answers the new primary, or
+/// the new primary's view of the PG misses a write that lands right after. The member here
+/// holds every shard write between its check and its apply (`inject_shard_apply_delay_ms`);
+/// node Q plays a primary of a newer epoch (as in the test above, the member waits for that
+/// map in vain, then answers). The log query must wait for the held write, and its answer
+/// must list it.
+#[test]
+fn a_member_answers_a_new_primary_only_after_the_old_ones_write_in_flight() {
+    use messenger::Identity;
+    use nvstore::node::recovery::LogInfo;
+    use nvstore::wire::{self, Dec, Enc};
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = cluster(8);
+    let c = &h.client;
+    let pool = c.create_pool("drain", 6, 2, 4096, 8, None).unwrap();
+    c.put(pool, b"probe", b"first").unwrap();
+    let map = c.map();
+    let p = &map.pools[&pool];
+    let a = Acting::compute(&map, p, pg_of(p, b"probe"));
+    let primary = a.primary.unwrap();
+    let member = a.members[1].unwrap();
+    let newer = a.members[2].unwrap();
+    assert!(primary != member && primary != newer && member != newer);
+    let as_node = |id: u32| {
+        let m = h.raw_messenger(Identity::Node(id));
+        let conn = m
+            .connect(map.nodes[&member].addr, Identity::Node(member))
+            .unwrap();
+        (m, conn)
+    };
+    // Longer than the member's wait for the newer primary's map (EPOCH_WAIT, 5 s), so the
+    // write is still held when the log query gets past that wait.
+    c.config(member, Some(("inject_shard_apply_delay_ms", "8000")))
+        .unwrap();
+    let (mp, from_primary) = as_node(primary);
+    let (mq, from_newer) = as_node(newer);
+    let name = b"in-flight-at-the-hand-over";
+    let written = AtomicBool::new(false);
+    let log = std::thread::scope(|s| {
+        let writer = s.spawn(|| {
+            let data = vec![9u8; 4096];
+            let r = ask(
+                &from_primary,
+                wire::MSG_SHARD_WRITE,
+                shard_write_payload(pool, a.pg, name, map.epoch, &data),
+            );
+            written.store(true, SeqCst);
+            r
+        });
+        wait_until("the member to hold the old primary's write", || {
+            counter(c, member, "node", "shard_writes_delayed") == 1
+        });
+        let mut e = Enc::new(map.epoch + 1);
+        e.u64(pool).u32(a.pg);
+        let r = from_newer
+            .request(
+                messenger::OutMessage::new(wire::MSG_PG_LOG, e.finish()),
+                Duration::from_secs(60),
+            )
+            .unwrap();
+        let answered_after_the_write = written.load(SeqCst);
+        let body = wire::parse_reply(&r.payload).unwrap().1.to_vec();
+        let (s, msg) = writer.join().unwrap();
+        assert_eq!(
+            s,
+            nvstore::wire::Status::Ok,
+            "the old primary's write: {msg}"
+        );
+        assert!(
+            answered_after_the_write,
+            "the member answered the new primary's log query while the old primary's write \
+             it had admitted was still being applied"
+        );
+        LogInfo::decode(&mut Dec::new(&body)).unwrap()
+    });
+    assert!(
+        log.entries.iter().any(|(_, n)| n == name),
+        "the log the new primary got lacks the write: {log:?}"
+    );
+    assert_eq!(counter(c, member, "node", "primary_change_waits"), 1);
+    assert_eq!(counter(c, member, "node", "primary_change_timeouts"), 0);
+    // The old primary is refused from now on.
+    let (s, _) = ask(
+        &from_primary,
+        wire::MSG_SHARD_WRITE,
+        shard_write_payload(pool, a.pg, b"after", map.epoch, &[1u8; 4096]),
+    );
+    assert_eq!(s, nvstore::wire::Status::StaleEpoch);
+    c.config(member, Some(("inject_shard_apply_delay_ms", "0")))
+        .unwrap();
+    mp.shutdown();
+    mq.shutdown();
+}
+
 /// The restart window (src/node/mod.rs `boot_gate`): a restarted node serves its messenger
 /// before the monitor has answered its Boot, and its map may be older than what the cluster
 /// has moved on to. A shard write that arrives then is refused (`StaleEpoch`, "is starting")

@@ -11,6 +11,7 @@
 
 pub mod hot;
 pub mod identity;
+pub mod interval;
 pub mod local;
 pub mod peerping;
 pub mod perf;
@@ -46,6 +47,7 @@ use crate::monitor::raft::MonCommand;
 use crate::monitor::NodeStats;
 use crate::optrack::{CurrentGuard, Ev, OpDesc, TrackedOp, NO_SHARD};
 use crate::wire::{self, Dec, Enc, Status};
+use interval::{Admission, Admitted};
 use local::{Local, ShardWrite};
 use primary::PgCache;
 
@@ -116,6 +118,8 @@ pub struct Counters {
     /// still sending their shards (the hold over or not).
     pub writes_delayed: AtomicU64,
     pub writes_held: AtomicU64,
+    /// Shard writes held by the `inject_shard_apply_delay_ms` runtime setting.
+    pub shard_writes_delayed: AtomicU64,
 }
 
 /// A client op waiting on its PG: the message and its tracking.
@@ -156,10 +160,10 @@ pub struct Node {
     msgr: OnceLock<Arc<Messenger>>,
     pub(crate) peers: crate::peers::PeerConns,
     pgs: Mutex<HashMap<(u64, u32), PgSlot>>,
-    /// Per PG: the newest (epoch, primary) that sent this node a shard or recovery op. A
+    /// Per PG: the newest (epoch, primary) that sent this node a shard or recovery op (a
     /// primary of an older epoch is refused from then on, even before this node has the map
-    /// that replaced it (see `check_shard_sender`).
-    intervals: Mutex<HashMap<(u64, u32), (u64, Identity)>>,
+    /// that replaced it; see `check_shard_sender`), and the ops admitted under it.
+    pub intervals: Arc<interval::Intervals>,
     /// The map epoch this node's Boot was committed at; [`BOOTING`] until the monitor has
     /// answered. Shard ops wait for the local map to reach it (see [`boot_gate`]).
     boot_epoch: AtomicU64,
@@ -185,6 +189,11 @@ pub struct Node {
     /// map of that moment) and sending them, as if the network to every member were that
     /// slow. For tests of what happens while a write is in flight.
     pub(crate) inject_write_delay_ms: AtomicU64,
+    /// Fault injection (runtime setting `inject_shard_apply_delay_ms`, 0 = off): each shard
+    /// write a primary sends here waits this long between passing the interval check and
+    /// being applied, as if the device were that slow. For tests of a primary change while a
+    /// member is applying the old primary's write.
+    pub(crate) inject_shard_apply_delay_ms: AtomicU64,
 }
 
 struct NodeDispatcher {
@@ -488,6 +497,7 @@ impl Node {
             return Some((msg, op));
         };
         if epoch > self.epoch()
+            || self.inject_shard_apply_delay_ms.load(Relaxed) > 0
             || boot_gate(self.boot_epoch.load(Acquire), self.epoch()) != BootGate::Pass
             || w.kind != local::WriteKind::Full
             || w.data.len() > local::ASYNC_APPLY_BYTES_MAX
@@ -497,17 +507,24 @@ impl Node {
         op.event(Ev::Started, NO_SHARD);
         let r = {
             let _current = CurrentGuard::set(&op);
-            self.check_shard_sender(&msg, epoch, w.pool, w.pg)
+            self.check_sender_or_decline(msg.peer(), epoch, w.pool, w.pg, false)
         };
-        if let Err(e) = r {
-            self.finish_shard_op(&mut msg, &op, Err(e));
-            return None;
-        }
+        let admitted = match r {
+            Ok(Some(a)) => a,
+            // An earlier primary's ops are still in flight: wait for them on a shard thread.
+            Ok(None) => return Some((msg, op)),
+            Err(e) => {
+                self.finish_shard_op(&mut msg, &op, Err(e));
+                return None;
+            }
+        };
         // The callback owns the request from here; it comes back only if the call declines.
         let slot = Arc::new(Mutex::new(Some((msg, op.clone()))));
         let node = self.clone();
         let cb_slot = slot.clone();
         let done = Box::new(move |r: Option<Result<()>>| {
+            // In flight until the shard is durable (or the write failed or is handed back).
+            let _admitted = admitted;
             let Some((mut msg, op)) = cb_slot.lock().unwrap().take() else {
                 return;
             };
@@ -561,7 +578,13 @@ impl Node {
     /// bounded) would otherwise still take writes from the old primary afterwards, writes the
     /// new primary never heard of. Only nodes acting as a PG's primary send these ops, so the
     /// sender of the newest epoch seen is the PG's current primary as far as this node knows.
-    fn check_shard_sender(&self, msg: &Incoming, epoch: u64, pool: u64, pg: u32) -> Result<()> {
+    fn check_shard_sender(
+        &self,
+        msg: &Incoming,
+        epoch: u64,
+        pool: u64,
+        pg: u32,
+    ) -> Result<Admitted> {
         self.await_boot_epoch()?;
         if epoch > self.epoch() {
             self.monc.wait_epoch(epoch, EPOCH_WAIT);
@@ -574,13 +597,31 @@ impl Node {
     /// written, dropped or rolled back in place, not sent): a primary that lost the PG while
     /// the op was under way (a newer map has another primary, or another primary of a newer
     /// epoch has sent this node ops of the PG) must not change its own shard either, or it
-    /// could put an older version under the newer one there, behind the marks' back.
-    pub(super) fn check_own_op(&self, epoch: u64, pool: u64, pg: u32) -> Result<()> {
+    /// could put an older version under the newer one there, behind the marks' back. Keep
+    /// the [`Admitted`] until the change is applied.
+    pub(super) fn check_own_op(&self, epoch: u64, pool: u64, pg: u32) -> Result<Admitted> {
         self.check_sender(Identity::Node(self.id), epoch, pool, pg)
     }
 
-    /// [`Self::check_shard_sender`] after the boot gate, for `sender`'s op of `epoch`.
-    fn check_sender(&self, sender: Identity, epoch: u64, pool: u64, pg: u32) -> Result<()> {
+    /// [`Self::check_shard_sender`] after the boot gate, for `sender`'s op of `epoch`; waits
+    /// (bounded) for ops admitted under an earlier primary of the PG to finish.
+    fn check_sender(&self, sender: Identity, epoch: u64, pool: u64, pg: u32) -> Result<Admitted> {
+        match self.check_sender_or_decline(sender, epoch, pool, pg, true)? {
+            Some(a) => Ok(a),
+            None => Err(Error::remote(Status::Internal, "interval check declined")),
+        }
+    }
+
+    /// The map check, then [`interval::Intervals::admit`]: `None` (only without `wait`)
+    /// when the op would have to wait for an earlier primary's ops.
+    fn check_sender_or_decline(
+        &self,
+        sender: Identity,
+        epoch: u64,
+        pool: u64,
+        pg: u32,
+        wait: bool,
+    ) -> Result<Option<Admitted>> {
         if epoch < self.epoch() {
             let map = self.monc.map();
             let Some(p) = map.pools.get(&pool) else {
@@ -599,7 +640,20 @@ impl Node {
             }
         }
         // Only a sender that passed the map check is recorded as the PG's newest primary.
-        self.check_interval(sender, epoch, pool, pg)
+        match self.intervals.admit(sender, epoch, pool, pg, wait)? {
+            Admission::Admitted(a) => Ok(Some(a)),
+            Admission::WouldWait => Ok(None),
+            Admission::Superseded { primary, since } => {
+                self.counters.stale_primary_refused.fetch_add(1, Relaxed);
+                Err(Error::remote(
+                    Status::StaleEpoch,
+                    format!(
+                        "{sender} sent an op of epoch {epoch} for pg {pool}.{pg:x}, whose \
+                         primary is {primary} since epoch {since}"
+                    ),
+                ))
+            }
+        }
     }
 
     /// Hold a shard op until this node's map has reached the epoch its Boot was committed at
@@ -634,34 +688,6 @@ impl Node {
         ))
     }
 
-    /// Record `(epoch, sender)` as the PG's newest primary, or refuse a sender that a newer
-    /// primary has superseded. The same primary's own older-epoch ops are accepted: it
-    /// orders them itself.
-    fn check_interval(&self, sender: Identity, epoch: u64, pool: u64, pg: u32) -> Result<()> {
-        let mut iv = self.intervals.lock().unwrap();
-        match iv.entry((pool, pg)) {
-            std::collections::hash_map::Entry::Vacant(v) => {
-                v.insert((epoch, sender));
-            }
-            std::collections::hash_map::Entry::Occupied(mut o) => {
-                let (newest, primary) = *o.get();
-                if epoch > newest {
-                    o.insert((epoch, sender));
-                } else if epoch < newest && sender != primary {
-                    self.counters.stale_primary_refused.fetch_add(1, Relaxed);
-                    return Err(Error::remote(
-                        Status::StaleEpoch,
-                        format!(
-                            "{sender} sent an op of epoch {epoch} for pg {pool}.{pg:x}, whose \
-                             primary is {primary} since epoch {newest}"
-                        ),
-                    ));
-                }
-            }
-        }
-        Ok(())
-    }
-
     fn shard_op(&self, msg: &Incoming) -> Result<Vec<SendBuf>> {
         if !matches!(msg.peer(), Identity::Node(_)) {
             return Err(Error::remote(Status::Invalid, "shard ops are for nodes"));
@@ -672,7 +698,12 @@ impl Node {
         match msg.msg_type() {
             wire::MSG_SHARD_WRITE => {
                 let mut w = ShardWrite::decode(&mut d)?;
-                self.check_shard_sender(msg, epoch, w.pool, w.pg)?;
+                let _admitted = self.check_shard_sender(msg, epoch, w.pool, w.pg)?;
+                let delay = self.inject_shard_apply_delay_ms.load(Relaxed);
+                if delay > 0 {
+                    self.counters.shard_writes_delayed.fetch_add(1, Relaxed);
+                    std::thread::sleep(Duration::from_millis(delay));
+                }
                 match w.vouch(p, msg.payload_crc()) {
                     Some(true) => self.counters.shard_crcs_vouched.fetch_add(1, Relaxed),
                     Some(false) => self.counters.shard_crcs_dropped.fetch_add(1, Relaxed),
@@ -683,7 +714,7 @@ impl Node {
             }
             wire::MSG_SHARD_REPAIR => {
                 let w = ShardWrite::decode(&mut d)?;
-                self.check_shard_sender(msg, epoch, w.pool, w.pg)?;
+                let _admitted = self.check_shard_sender(msg, epoch, w.pool, w.pg)?;
                 self.local.repair(&w)?;
                 Ok(vec![SendBuf::Vec(wire::reply_ok(self.epoch(), &[]))])
             }
@@ -692,7 +723,7 @@ impl Node {
                 let pg = d.u32()?;
                 let name = d.bytes()?;
                 let shard = d.u8()?;
-                self.check_shard_sender(msg, epoch, pool, pg)?;
+                let _admitted = self.check_shard_sender(msg, epoch, pool, pg)?;
                 let mut e = Enc::new(self.epoch());
                 e.u16(Status::Ok as u16);
                 match t {
@@ -1001,7 +1032,7 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
         msgr: OnceLock::new(),
         peers: Default::default(),
         pgs: Mutex::new(HashMap::new()),
-        intervals: Mutex::new(HashMap::new()),
+        intervals: Arc::default(),
         boot_epoch: AtomicU64::new(BOOTING),
         run_q: Arc::new(WaitQueue::new()),
         shard_q: Arc::new(WaitQueue::new()),
@@ -1016,6 +1047,7 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
         peer_ping: peerping::PeerPing::default(),
         strays: strays::Strays::default(),
         inject_write_delay_ms: AtomicU64::new(0),
+        inject_shard_apply_delay_ms: AtomicU64::new(0),
     });
     node.forget_marks_after_salvage();
     let _ = node.msgr.set(msgr.clone());

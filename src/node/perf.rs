@@ -172,7 +172,7 @@ impl Node {
             driver::workload::peak_rss_kib(),
         );
         #[rustfmt::skip]
-        let rows: [(&'static str, Row); 51] = [
+        let rows: [(&'static str, Row); 54] = [
             ("client", ("read_ops", C, c.read_ops.load(Relaxed), "Client read ops run as primary")),
             ("client", ("write_ops", C, c.write_ops.load(Relaxed), "Client write ops run as primary")),
             ("client", ("read_bytes", C, c.read_bytes.load(Relaxed), "Bytes returned to clients")),
@@ -189,6 +189,9 @@ impl Node {
             ("node", ("boot_gate_refused", C, c.boot_gate_refused.load(Relaxed), "Shard ops refused before this node registered, or while its map lagged its boot epoch")),
             ("node", ("writes_delayed", C, c.writes_delayed.load(Relaxed), "Client writes held by the inject_write_delay_ms runtime setting (fault injection)")),
             ("node", ("writes_held", G, c.writes_held.load(Relaxed), "Of those, writes not yet done sending their shards")),
+            ("node", ("shard_writes_delayed", C, c.shard_writes_delayed.load(Relaxed), "Shard writes held between their check and their apply by the inject_shard_apply_delay_ms runtime setting (fault injection)")),
+            ("node", ("primary_change_waits", C, self.intervals.drain_waits.load(Relaxed), "Shard and recovery ops of a PG's new primary that waited for the ops this node had admitted from its previous primary to finish")),
+            ("node", ("primary_change_timeouts", C, self.intervals.drain_timeouts.load(Relaxed), "Of those, ops refused because the previous primary's ops were still in flight after the wait (the new primary retries)")),
             ("node", ("shard_crcs_vouched", C, c.shard_crcs_vouched.load(Relaxed), "Shard writes whose listed chunk CRCs matched the verified frame CRC (recorded without summing the bytes)")),
             ("node", ("shard_crcs_dropped", C, c.shard_crcs_dropped.load(Relaxed), "Shard writes whose listed chunk CRCs did not describe the bytes (summed instead)")),
             ("recovery", ("marks_refreshed", C, self.recovery.marks_refreshed.load(Relaxed), "Times a PG's member marks were advanced between passes")),
@@ -352,6 +355,7 @@ impl Node {
             "read_cache": self.local.stores.iter().any(|s| s.cache_stats().capacity > 0),
             "slow_op_ms": self.perf.ops.threshold().as_millis() as u64,
             "inject_write_delay_ms": self.inject_write_delay_ms.load(Relaxed),
+            "inject_shard_apply_delay_ms": self.inject_shard_apply_delay_ms.load(Relaxed),
         })
     }
 
@@ -393,13 +397,19 @@ impl Node {
                     .map_err(|_| bad("milliseconds (an integer; 0 turns it off)"))?;
                 self.inject_write_delay_ms.store(ms, Relaxed);
             }
+            "inject_shard_apply_delay_ms" => {
+                let ms: u64 = value
+                    .parse()
+                    .map_err(|_| bad("milliseconds (an integer; 0 turns it off)"))?;
+                self.inject_shard_apply_delay_ms.store(ms, Relaxed);
+            }
             _ => {
                 return Err(Error::remote(
                     Status::Invalid,
                     format!(
                         "no runtime setting {key:?}; settable: read_coalescing, read_cache, \
-                         slow_op_ms, inject_write_delay_ms (others need node.toml and a \
-                         restart)"
+                         slow_op_ms, inject_write_delay_ms, inject_shard_apply_delay_ms \
+                         (others need node.toml and a restart)"
                     ),
                 ))
             }

@@ -591,7 +591,7 @@ impl Node {
         match msg_type {
             wire::MSG_SHARD_WRITE => {
                 let w = ShardWrite::decode(&mut d)?;
-                self.check_own_op(epoch, w.pool, w.pg)?;
+                let _admitted = self.check_own_op(epoch, w.pool, w.pg)?;
                 self.local.apply(&w)?;
             }
             t => {
@@ -599,10 +599,11 @@ impl Node {
                 let pg = d.u32()?;
                 let name = d.bytes()?;
                 let shard = d.u8()?;
-                if !matches!(t, wire::MSG_SHARD_READ | wire::MSG_SHARD_STAT) {
-                    // A drop or a rollback.
-                    self.check_own_op(epoch, pool, pg)?;
-                }
+                // A drop or a rollback is checked; a read or a stat is not.
+                let _admitted = match t {
+                    wire::MSG_SHARD_READ | wire::MSG_SHARD_STAT => None,
+                    _ => Some(self.check_own_op(epoch, pool, pg)?),
+                };
                 match t {
                     wire::MSG_SHARD_READ => {
                         let (v, off, len) = (d.u64()?, d.u64()?, d.u64()?);
@@ -1634,20 +1635,24 @@ impl Node {
                         (s, parts)
                     })
                     .collect();
-                // Only after `start` (below) declined, which checked the op already.
+                // Only after `start` (below) declined; checked again, as the admission
+                // `start` took ended when it declined.
                 let local = |s: usize, _parts: Vec<SendBuf>| -> Result<Payload> {
+                    let _admitted = self.check_own_op(ctx_map.epoch, ctx.pool.id, ctx.pg)?;
                     self.local.apply(&write(s))?;
                     Ok(Payload::from_vec(Vec::new()))
                 };
                 // A small create of this node's shard commits while the remote ones travel;
                 // its durability is one more reply to wait for, not a sleep of its own.
-                // First this node's check of its own shard op (`check_own_op`), once per send.
+                // First this node's check of its own shard op (`check_own_op`); the op is
+                // admitted until the shard is durable.
                 let start = |s: usize, done: LocalDone| -> Result<bool> {
-                    self.check_own_op(ctx_map.epoch, ctx.pool.id, ctx.pg)?;
+                    let admitted = self.check_own_op(ctx_map.epoch, ctx.pool.id, ctx.pg)?;
                     let op = optrack::current();
                     self.local.apply_async(
                         &write(s),
                         Box::new(move |r| {
+                            drop(admitted);
                             if let Some(op) = &op {
                                 op.event(Ev::CommitEnd, optrack::NO_SHARD);
                             }

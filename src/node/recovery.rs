@@ -519,13 +519,13 @@ impl Node {
         let epoch = d.u64()?;
         if msg.msg_type() == wire::MSG_RECOVERY_WRITE {
             let w = ShardWrite::decode(&mut d)?;
-            self.check_shard_sender(msg, epoch, w.pool, w.pg)?;
+            let _admitted = self.check_shard_sender(msg, epoch, w.pool, w.pg)?;
             self.apply_recovery(&w)?;
             return Ok(vec![SendBuf::Vec(wire::reply_ok(self.epoch(), &[]))]);
         }
         let pool = d.u64()?;
         let pg = d.u32()?;
-        self.check_shard_sender(msg, epoch, pool, pg)?;
+        let _admitted = self.check_shard_sender(msg, epoch, pool, pg)?;
         let mut e = Enc::new(self.epoch());
         e.u16(Status::Ok as u16);
         match msg.msg_type() {
@@ -849,7 +849,7 @@ impl Node {
         match msg_type {
             wire::MSG_RECOVERY_WRITE => {
                 let w = ShardWrite::decode(&mut d)?;
-                self.check_own_op(epoch, w.pool, w.pg)?;
+                let _admitted = self.check_own_op(epoch, w.pool, w.pg)?;
                 self.apply_recovery(&w)?;
             }
             wire::MSG_RECOVERY_READ => {
@@ -858,29 +858,33 @@ impl Node {
                 let r = self.local.read(pool, pg, name, shard, v, off, len, false)?;
                 super::local::encode_read(&mut e, &r, false);
             }
+            // A new primary's first look at its own shard's log, like its look at the
+            // others', comes after the ops it admitted from the previous primary.
             wire::MSG_PG_LOG => {
                 let (pool, pg) = (d.u64()?, d.u32()?);
+                let _admitted = self.check_own_op(epoch, pool, pg)?;
                 self.log_info(pool, pg)?.encode(&mut e);
             }
             wire::MSG_PG_MARK => {
                 let (pool, pg, slot, v) = (d.u64()?, d.u32()?, d.u8()?, d.u64()?);
-                self.check_own_op(epoch, pool, pg)?;
+                let _admitted = self.check_own_op(epoch, pool, pg)?;
                 self.set_mark(pool, pg, slot, v)?;
             }
             wire::MSG_SHARD_FORGET => {
                 let (pool, pg) = (d.u64()?, d.u32()?);
                 let (shard, entries) = decode_settle(&mut d)?;
-                self.check_own_op(epoch, pool, pg)?;
+                let _admitted = self.check_own_op(epoch, pool, pg)?;
                 e.u64(self.forget_tombstones(pool, pg, shard, &entries)?);
             }
             wire::MSG_SHARD_SETTLE => {
                 let (pool, pg) = (d.u64()?, d.u32()?);
                 let (shard, entries) = decode_settle(&mut d)?;
-                self.check_own_op(epoch, pool, pg)?;
+                let _admitted = self.check_own_op(epoch, pool, pg)?;
                 e.u64(self.settle(pool, pg, shard, &entries)?);
             }
             wire::MSG_SHARD_LIST => {
                 let (pool, pg, after, max) = (d.u64()?, d.u32()?, d.bytes()?, d.u32()?);
+                let _admitted = self.check_own_op(epoch, pool, pg)?;
                 self.encode_pg_list(&mut e, pool, pg, after, max)?;
             }
             t => return Err(Error::Malformed(format!("not a recovery message: {t}"))),

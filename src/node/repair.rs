@@ -178,7 +178,7 @@ impl Node {
             })
             .collect();
         let on_me = |s: usize, _parts: Vec<SendBuf>| -> Result<Payload> {
-            self.check_own_op(ctx.map.epoch, ctx.pool.id, ctx.pg)?;
+            let _admitted = self.check_own_op(ctx.map.epoch, ctx.pool.id, ctx.pg)?;
             local(&write(s))?;
             Ok(Payload::from_vec(Vec::new()))
         };
