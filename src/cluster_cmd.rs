@@ -842,6 +842,7 @@ pub fn render_status(s: &crate::monitor::StatusReport) -> String {
         states.join(", ")
     });
     o += "\n";
+    o += &render_deleting(s);
     let sc = &s.scrub;
     o += &format!(
         "    scrub:  {} objects, {} read; {} crc errors, {} missing/stale, {} parity; {} \
@@ -885,6 +886,33 @@ pub fn render_status(s: &crate::monitor::StatusReport) -> String {
     }
     o += &render_recovery(&s.recovery);
     o
+}
+
+/// The status report's line on pool deletions whose keys nodes are still removing (nothing
+/// when none is).
+fn render_deleting(s: &crate::monitor::StatusReport) -> String {
+    let mut pools: Vec<u64> = Vec::new();
+    let mut nodes = 0;
+    for st in s
+        .node_stats
+        .values()
+        .filter(|st| !st.deleting_pools.is_empty())
+    {
+        nodes += 1;
+        pools.extend(&st.deleting_pools);
+    }
+    if nodes == 0 {
+        return String::new();
+    }
+    pools.sort_unstable();
+    pools.dedup();
+    let removed: u64 = s.node_stats.values().map(|st| st.deleted_pool_keys).sum();
+    let ids: Vec<String> = pools.iter().map(|p| p.to_string()).collect();
+    format!(
+        "    delete: pool id(s) {} still being removed from {nodes} node(s); {removed} keys of \
+         deleted pools removed since the nodes started\n",
+        ids.join(", ")
+    )
 }
 
 /// The status report's recovery line (nothing when recovery never ran).
@@ -1040,6 +1068,40 @@ fn free_bytes(path: &Path) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+    use crate::monitor::{NodeStats, StatusReport};
+
+    #[test]
+    fn status_shows_pools_still_being_deleted_and_the_keys_removed() {
+        let stats = |pools: &[u64], keys: u64| NodeStats {
+            deleting_pools: pools.to_vec(),
+            deleted_pool_keys: keys,
+            ..NodeStats::default()
+        };
+        let mut s: StatusReport = serde_json::from_value(serde_json::json!({
+            "fsid": "f", "health": "HEALTH_OK", "health_detail": [], "epoch": 9,
+            "monitors": [], "leader": 1, "nodes_total": 3, "nodes_up": 3, "nodes_in": 3,
+            "pools": [], "pg_total": 0, "pg_states": {}, "shards": 0, "used_bytes": 0,
+            "capacity_bytes": 0,
+            "io": {"read_ops_s": 0.0, "write_ops_s": 0.0, "read_bytes_s": 0.0, "write_bytes_s": 0.0}
+        }))
+        .unwrap();
+        s.node_stats.insert(1, stats(&[], 100));
+        s.node_stats.insert(2, stats(&[4, 2], 2_000));
+        s.node_stats.insert(3, stats(&[2], 30_000));
+        let out = super::render_status(&s);
+        assert!(
+            out.contains(
+                "    delete: pool id(s) 2, 4 still being removed from 2 node(s); 32100 keys of \
+                 deleted pools removed since the nodes started\n"
+            ),
+            "{out}"
+        );
+        for st in s.node_stats.values_mut() {
+            st.deleting_pools.clear();
+        }
+        assert!(!super::render_status(&s).contains("delete:"));
+    }
+
     #[test]
     fn free_bytes_reads_the_file_system() {
         let dir = tempfile::tempdir().unwrap();

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::{bytes, Harness};
 use messenger::{Identity, OutMessage};
-use nvstore::cluster_cmd::LocalOptions;
+use nvstore::cluster_cmd::{render_status, LocalOptions};
 use nvstore::ops::{ClientOp, OpResult, ReadData, SubOp};
 use nvstore::wire::{self, Status};
 use nvstore::{Client, Error};
@@ -575,6 +575,19 @@ fn a_deleted_pools_keys_go_from_every_node_and_its_id_is_never_reused() {
         );
         assert_eq!(counter(c, *n, "recovery", "deleted_pools_left"), 0);
     }
+    // `nvstore status` hears of it in the heartbeats: nothing left to remove, and the keys.
+    let reported = |n: u32| {
+        let s = c.status().unwrap();
+        let st = &s.node_stats[&n];
+        (st.deleting_pools.clone(), st.deleted_pool_keys)
+    };
+    wait_until("the heartbeats to report the removal", || {
+        up.iter().all(|n| {
+            let i = *n as usize - 1;
+            reported(*n) == (vec![], with[i] - before[i])
+        })
+    });
+    assert!(!render_status(&c.status().unwrap()).contains("delete:"));
 
     // The node that was down comes back with its keys of the deleted pool and removes them.
     h.lc.start_member(&format!("node.{victim}")).unwrap();

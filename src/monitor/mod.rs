@@ -105,6 +105,12 @@ pub struct NodeStats {
     /// heartbeat periods or more, with how long (ms) (`node/peerping.rs`).
     #[serde(default)]
     pub silent_peers: Vec<(u32, u64)>,
+    /// Deleted pools whose keys the node is still removing (`node/strays.rs`), and the keys
+    /// of deleted pools it removed since it started.
+    #[serde(default)]
+    pub deleting_pools: Vec<u64>,
+    #[serde(default)]
+    pub deleted_pool_keys: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]

@@ -877,6 +877,8 @@ impl Node {
                 .map_or(0, |d| d.as_nanos() as u64),
             recovery: self.recovery.stats(),
             salvaged: self.salvaged_count() as u64,
+            deleting_pools: self.strays.deleting_pools.lock().unwrap().clone(),
+            deleted_pool_keys: self.strays.deleted_pool_keys.load(Relaxed),
         }
     }
 

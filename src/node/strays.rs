@@ -68,6 +68,9 @@ pub struct Strays {
     pub deleted_pool_keys: AtomicU64,
     /// Deleted pools this node still held keys of after its last sweep (gauge).
     pub deleted_pools_left: AtomicU64,
+    /// Deleted pools this node holds keys of: those a sweep is removing now, and those a
+    /// failed batch left for the next (in heartbeats, for `nvstore status`).
+    pub deleting_pools: Mutex<Vec<u64>>,
 }
 
 /// The PG a store key of `pool` belongs to: a shard's by its name, a PG log entry's or
@@ -119,9 +122,23 @@ impl Node {
         self.pgs.lock().unwrap().retain(|(pool, _), slot| {
             !map.is_deleted_pool(*pool) || slot.running || !slot.queue.is_empty()
         });
+        let holding: Vec<u64> = (1..=map.pool_max())
+            .filter(|id| map.is_deleted_pool(*id))
+            .filter(|id| {
+                let mut stores = self.local.stores.iter();
+                stores.any(|st| !st.list(*id, None, 1).is_empty())
+            })
+            .collect();
+        *self.strays.deleting_pools.lock().unwrap() = holding.clone();
         let mut left = 0;
-        for pool in (1..=map.pool_max()).filter(|id| map.is_deleted_pool(*id)) {
-            if !self.purge_pool(pool) {
+        for pool in holding {
+            if self.purge_pool(pool) {
+                self.strays
+                    .deleting_pools
+                    .lock()
+                    .unwrap()
+                    .retain(|p| *p != pool);
+            } else {
                 left += 1;
             }
         }
