@@ -88,7 +88,8 @@ pub enum ConfigCommand {
     /// inject_write_delay_ms (fault injection: hold each client write led here this long
     /// before its shards are sent; 0 = off), inject_shard_apply_delay_ms (fault injection:
     /// hold each shard write a primary sends here this long between its check and its
-    /// apply; 0 = off)
+    /// apply; 0 = off), inject_drop_staged (fault injection: acknowledge the shards clients
+    /// stage here and drop them, true|false)
     Set {
         /// Node id
         node: u32,

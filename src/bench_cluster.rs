@@ -38,8 +38,20 @@ pub struct ClusterBenchArgs {
     /// Print the result as JSON (after the progress bar, on stdout)
     #[arg(long)]
     pub json: bool,
+    /// Encode objects of 1 MiB or more in the client and stage the shards on the members
+    /// (`on`, the default), or send them whole to the primary (`off`)
+    #[arg(long, default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
+    pub client_ec: bool,
     #[arg(short = 'c', long = "conf", env = "NVSTORE_CONF")]
     pub conf: PathBuf,
+}
+
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("expected on or off, got {s:?}")),
+    }
 }
 
 /// What one run measured.
@@ -58,6 +70,13 @@ pub struct BenchResult {
     pub lat_max_ms: f64,
     /// The Ceph reference for this mode and size, when the issue gives one.
     pub ceph_reference: Option<String>,
+    /// Writes the client encoded itself (client-side EC), and those that fell back to
+    /// sending the object to the primary.
+    pub client_encoded: u64,
+    pub client_ec_fallbacks: u64,
+    /// Per encoded write, mean milliseconds encoding (and queueing the stages), then staging
+    /// and the op until its reply.
+    pub client_ec_stage_ms: [f64; 2],
     /// Ours over Ceph's (MB/s for 4 MiB, IOPS for 4 KiB).
     pub ratio_vs_ceph: Option<f64>,
     pub memory: Memory,
@@ -172,6 +191,7 @@ pub fn bench(
         );
         b
     });
+    let (ec0, ect0) = (c.client_ec_stats(), c.client_ec_times());
     let t0 = Instant::now();
     let hists: Vec<Histogram<u64>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..concurrency)
@@ -275,6 +295,13 @@ pub fn bench(
         lat_p99_ms: h.value_at_quantile(0.99) as f64 / 1e3,
         lat_max_ms: h.max() as f64 / 1e3,
         ceph_reference: reference.map(|(v, u)| format!("{v} {u}")),
+        client_encoded: c.client_ec_stats().0 - ec0.0,
+        client_ec_fallbacks: c.client_ec_stats().1 - ec0.1,
+        client_ec_stage_ms: {
+            let n = (c.client_ec_stats().0 - ec0.0).max(1) as f64;
+            let (st, op) = c.client_ec_times();
+            [(st - ect0.0) * 1e3 / n, (op - ect0.1) * 1e3 / n]
+        },
         ratio_vs_ceph: reference.map(|(v, u)| if u == "MB/s" { mb / v } else { iops / v }),
         memory: memory(c),
     })
@@ -288,11 +315,18 @@ pub fn print(r: &BenchResult) {
     if let (Some(c), Some(x)) = (&r.ceph_reference, r.ratio_vs_ceph) {
         println!("      Ceph 16.2 reference (issue #7, rados bench -t 16): {c}  ->  ours / Ceph = {x:.2}x");
     }
+    if r.client_encoded + r.client_ec_fallbacks > 0 {
+        println!(
+            "      client-side EC: {} writes encoded by the client ({:.1} ms encoding, then {:.1} ms staging and the op, means), {} sent to the primary after a failed stage",
+            r.client_encoded, r.client_ec_stage_ms[0], r.client_ec_stage_ms[1], r.client_ec_fallbacks
+        );
+    }
     println!("      {}", memory_line(&r.memory));
 }
 
 pub fn run(mode: Mode, a: ClusterBenchArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let c = Client::from_config(&a.conf)?;
+    c.set_client_ec(a.client_ec);
     let pool = c.pool_id(&a.pool)?;
     let r = bench(
         &c,

@@ -17,14 +17,19 @@
 //! not for append. Staged puts (> 16 MiB) and ops with reads carry no request id.
 
 use std::collections::BTreeSet;
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use messenger::{Connection, Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret};
+use ec::{Codec, Profile};
+use messenger::{
+    Connection, Dispatcher, Identity, Incoming, Messenger, OutMessage, Secret, SendBuf,
+};
 
+use crate::client_ec::{encode_object, SharedUnit, CLIENT_EC_BYTES_MIN};
 use crate::config::ClientConfig;
 use crate::error::{Error, Result};
 use crate::map::ClusterMap;
@@ -57,6 +62,16 @@ pub struct Client {
     /// Request ids (`ClientOp::reqid`): from a random start, so two clients that drew the
     /// same identity do not share them; never 0.
     next_reqid: AtomicU64,
+    /// Encode large whole-object writes here and stage the shards on the members
+    /// ([`crate::client_ec`]); on by default.
+    client_ec: AtomicBool,
+    codecs: Mutex<HashMap<Profile, Arc<Codec>>>,
+    /// Writes encoded here, and those that fell back to sending the data to the primary.
+    ec_puts: AtomicU64,
+    ec_fallbacks: AtomicU64,
+    /// Time spent encoding and staging, and waiting for the op after it (ns, summed).
+    ec_stage_ns: AtomicU64,
+    ec_op_ns: AtomicU64,
 }
 
 impl Client {
@@ -101,6 +116,12 @@ impl Client {
             timeout: op_timeout,
             next_upload: AtomicU64::new(rand::random::<u64>() >> 1),
             next_reqid: AtomicU64::new((rand::random::<u64>() >> 1) | 1),
+            client_ec: AtomicBool::new(true),
+            codecs: Mutex::new(HashMap::new()),
+            ec_puts: AtomicU64::new(0),
+            ec_fallbacks: AtomicU64::new(0),
+            ec_stage_ns: AtomicU64::new(0),
+            ec_op_ns: AtomicU64::new(0),
         })
     }
 
@@ -298,8 +319,16 @@ impl Client {
     /// them instead of copying them into the frame (like a librados write of a bufferlist).
     /// Objects larger than one message take `put`'s staged path, which copies.
     pub fn put_shared(&self, pool: u64, name: &[u8], data: Arc<[u8]>) -> Result<u64> {
+        if data.len() >= CLIENT_EC_BYTES_MIN && self.client_ec.load(Relaxed) {
+            match self.put_encoded(pool, name, &data)? {
+                Some(v) => return Ok(v),
+                None => {
+                    self.ec_fallbacks.fetch_add(1, Relaxed);
+                }
+            }
+        }
         if data.len() > ops::MESSAGE_DATA_BYTES_MAX {
-            return self.put(pool, name, &data);
+            return self.put_via_primary(pool, name, &data);
         }
         ops::check_name(name).map_err(|m| Error::remote(Status::Invalid, m))?;
         let reqid = self.reqid();
@@ -323,6 +352,19 @@ impl Client {
     /// Replace an object's content (any size up to 64 MiB; large ones are staged in parts on
     /// the primary first). Returns the new version.
     pub fn put(&self, pool: u64, name: &[u8], data: &[u8]) -> Result<u64> {
+        if data.len() >= CLIENT_EC_BYTES_MIN
+            && data.len() as u64 <= ops::OBJECT_BYTES_MAX
+            && self.client_ec.load(Relaxed)
+        {
+            // One copy here instead of the primary's fan-out of the whole object.
+            return self.put_shared(pool, name, Arc::from(data));
+        }
+        self.put_via_primary(pool, name, data)
+    }
+
+    /// [`Client::put`] sending the object to the primary, which encodes it: in one message,
+    /// or staged in parts first when larger than one.
+    fn put_via_primary(&self, pool: u64, name: &[u8], data: &[u8]) -> Result<u64> {
         if data.len() <= ops::MESSAGE_DATA_BYTES_MAX {
             return Ok(self.op(pool, name, &[SubOp::WriteFull(data)])?.0);
         }
@@ -370,6 +412,146 @@ impl Client {
             let (_, body) = wire::parse_reply_epoch(&reply.payload);
             Ok(ops::decode_results(body?)?.0)
         })
+    }
+
+    /// Turn client-side erasure coding of large whole-object writes on or off (on by
+    /// default; off sends the object to the primary, which encodes it).
+    pub fn set_client_ec(&self, on: bool) {
+        self.client_ec.store(on, Relaxed);
+    }
+
+    /// Writes this client encoded itself, and those that fell back to sending the object to
+    /// the primary (a member had lost its staged shard, or staging failed).
+    pub fn client_ec_stats(&self) -> (u64, u64) {
+        (self.ec_puts.load(Relaxed), self.ec_fallbacks.load(Relaxed))
+    }
+
+    /// Of the writes this client encoded, the time spent encoding and queueing the stages,
+    /// and the time from then until the op's reply, summed (seconds).
+    pub fn client_ec_times(&self) -> (f64, f64) {
+        (
+            self.ec_stage_ns.load(Relaxed) as f64 / 1e9,
+            self.ec_op_ns.load(Relaxed) as f64 / 1e9,
+        )
+    }
+
+    fn codec(&self, p: Profile) -> Arc<Codec> {
+        self.codecs
+            .lock()
+            .unwrap()
+            .entry(p)
+            .or_insert_with(|| Arc::new(Codec::new(p)))
+            .clone()
+    }
+
+    /// A whole-object write encoded here ([`crate::client_ec`]): stage every up member's
+    /// shard on it, and send the primary the op naming them right behind. `None` when it
+    /// should go the usual way instead: a member was unreachable, or the write found a shard
+    /// missing (a stage failed — a member's staging was full — or a member lost it).
+    fn put_encoded(&self, pool: u64, name: &[u8], data: &Arc<[u8]>) -> Result<Option<u64>> {
+        ops::check_name(name).map_err(|m| Error::remote(Status::Invalid, m))?;
+        if data.len() as u64 > ops::OBJECT_BYTES_MAX {
+            return Err(Error::remote(
+                Status::TooLarge,
+                format!(
+                    "object of {} bytes; the maximum is {}",
+                    data.len(),
+                    ops::OBJECT_BYTES_MAX
+                ),
+            ));
+        }
+        let reqid = self.reqid();
+        let mut encoded: Option<(Profile, Vec<Vec<SharedUnit>>)> = None;
+        let r = self.with_primary(pool, name, |at| {
+            let t0 = Instant::now();
+            let map = self.map();
+            let Some(p) = map.pools.get(&pool) else {
+                return Err(Error::remote(
+                    Status::StaleEpoch,
+                    format!("pool {pool} is not in the map at epoch {}", map.epoch),
+                ));
+            };
+            let profile = p.profile();
+            if encoded.as_ref().is_none_or(|(pr, _)| *pr != profile) {
+                encoded = Some((profile, encode_object(&profile, &self.codec(profile), data)));
+            }
+            let shards = &encoded.as_ref().expect("encoded above").1;
+            let acting = self.monc.acting(&map, p, at.pg);
+            let upload = self.next_upload.fetch_add(1, Relaxed);
+            let left = at.deadline.saturating_duration_since(Instant::now());
+            let failed = Arc::new(AtomicBool::new(false));
+            let mut members = vec![None; acting.members.len()];
+            for (slot, m) in acting.members.iter().enumerate() {
+                let Some(node) = m.filter(|n| map.is_up(*n)) else {
+                    continue;
+                };
+                let Ok(conn) = self.conn(node, map.nodes[&node].addr) else {
+                    return Ok(None);
+                };
+                members[slot] = Some(node);
+                let units = &shards[slot];
+                let mut e = Enc::new(at.epoch);
+                e.u64(upload).u64(pool).u32(at.pg).u8(slot as u8);
+                e.u32(units.iter().map(|u| u.len()).sum::<usize>() as u32);
+                let mut msg = OutMessage::new(wire::MSG_CLIENT_STAGE_SHARD, e.finish());
+                let mut list = Vec::with_capacity(4 + 8 * units.len());
+                list.extend_from_slice(&(units.len() as u32).to_le_bytes());
+                for u in units {
+                    msg = msg.with_part(SendBuf::Raw(Box::new(u.clone())));
+                    list.extend_from_slice(&(u.len() as u32).to_le_bytes());
+                    list.extend_from_slice(&u.crc.to_le_bytes());
+                }
+                let failed = failed.clone();
+                conn.request_with(msg.with_part(list), left, move |r| {
+                    let r = r
+                        .map_err(Error::from)
+                        .and_then(|reply| wire::parse_reply(&reply.payload).map(|_| ()));
+                    if let Err(e) = r {
+                        tracing::debug!("staging shard {slot} on node {node} failed: {e}");
+                        failed.store(true, Relaxed);
+                    }
+                });
+            }
+            let t1 = Instant::now();
+            let msg = ClientOp {
+                epoch: at.epoch,
+                pool,
+                name,
+                flags: 0,
+                upload_id: upload,
+                reqid,
+                ops: vec![SubOp::WriteStaged {
+                    size: data.len() as u64,
+                    members,
+                }],
+            }
+            .encode();
+            // Sent right behind the stages, not after their replies: a member (the primary
+            // too) waits a little for a shard the write names that has not arrived yet.
+            let r = self.send_op(at, OutMessage::new(wire::MSG_CLIENT_OP, msg));
+            self.ec_stage_ns
+                .fetch_add((t1 - t0).as_nanos() as u64, Relaxed);
+            self.ec_op_ns
+                .fetch_add(t1.elapsed().as_nanos() as u64, Relaxed);
+            match r {
+                Ok((v, _)) => Ok(Some(v)),
+                Err(Error::Remote {
+                    status: Status::NotStaged,
+                    message,
+                }) => {
+                    tracing::debug!(
+                        stage_failed = failed.load(Relaxed),
+                        "{message}; sending the data to the primary"
+                    );
+                    Ok(None)
+                }
+                Err(e) => Err(e),
+            }
+        })?;
+        if r.is_some() {
+            self.ec_puts.fetch_add(1, Relaxed);
+        }
+        Ok(r)
     }
 
     pub fn stat(&self, pool: u64, name: &[u8]) -> Result<ObjStat> {

@@ -17,6 +17,7 @@ pub mod bench_cluster;
 pub mod bench_hot;
 pub mod bench_recovery;
 pub mod client;
+pub mod client_ec;
 pub mod cluster_cmd;
 pub mod config;
 pub mod demo;

@@ -23,6 +23,8 @@ pub const XATTR_VALUE_BYTES_MAX: usize = 16 << 10;
 /// Request flag: the data of the request's write is the staged upload `upload_id` followed by
 /// the inline data.
 pub const FLAG_STAGED: u32 = 1;
+/// `SubOp::WriteStaged`'s member list: no shard staged in this slot.
+const NO_MEMBER: u32 = u32::MAX;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SubOp<'a> {
@@ -30,15 +32,29 @@ pub enum SubOp<'a> {
     AssertExists,
     AssertAbsent,
     Stat,
-    Read { offset: u64, len: u64 },
+    Read {
+        offset: u64,
+        len: u64,
+    },
     GetXattr(&'a str),
     GetXattrs,
     WriteFull(&'a [u8]),
-    Write { offset: u64, data: &'a [u8] },
+    Write {
+        offset: u64,
+        data: &'a [u8],
+    },
     Append(&'a [u8]),
     Remove,
     SetXattr(&'a str, &'a [u8]),
     RmXattr(&'a str),
+    /// Replace the object with `size` bytes the client erasure coded itself and staged, shard
+    /// s on `members[s]` (`MSG_CLIENT_STAGE_SHARD`, upload `ClientOp::upload_id`); `None`
+    /// where it staged nothing (no member, or down in its map). The primary refuses it when
+    /// its acting set differs (`StaleEpoch`: stage again on the new one).
+    WriteStaged {
+        size: u64,
+        members: Vec<Option<u32>>,
+    },
 }
 
 impl SubOp<'_> {
@@ -57,13 +73,18 @@ impl SubOp<'_> {
             SubOp::Remove => 11,
             SubOp::SetXattr(..) => 12,
             SubOp::RmXattr(_) => 13,
+            SubOp::WriteStaged { .. } => 14,
         }
     }
 
     pub fn is_data_mutation(&self) -> bool {
         matches!(
             self,
-            SubOp::WriteFull(_) | SubOp::Write { .. } | SubOp::Append(_) | SubOp::Remove
+            SubOp::WriteFull(_)
+                | SubOp::Write { .. }
+                | SubOp::Append(_)
+                | SubOp::Remove
+                | SubOp::WriteStaged { .. }
         )
     }
 
@@ -130,6 +151,12 @@ impl<'a> ClientOp<'a> {
                 SubOp::AssertVersion(v) => {
                     e.u64(v);
                 }
+                SubOp::WriteStaged { size, ref members } => {
+                    e.u64(size).u8(members.len() as u8);
+                    for m in members {
+                        e.u32(m.unwrap_or(NO_MEMBER));
+                    }
+                }
                 SubOp::Read { offset, len } => {
                     e.u64(offset).u64(len);
                 }
@@ -192,6 +219,14 @@ impl<'a> ClientOp<'a> {
                 11 => SubOp::Remove,
                 12 => SubOp::SetXattr(d.str()?, d.bytes()?),
                 13 => SubOp::RmXattr(d.str()?),
+                14 => {
+                    let size = d.u64()?;
+                    let n = d.u8()? as usize;
+                    let members = (0..n)
+                        .map(|_| Ok(Some(d.u32()?).filter(|&m| m != NO_MEMBER)))
+                        .collect::<Result<Vec<_>>>()?;
+                    SubOp::WriteStaged { size, members }
+                }
                 c => return Err(Error::Malformed(format!("unknown sub-op code {c}"))),
             });
         }
@@ -432,6 +467,10 @@ mod tests {
                 },
                 SubOp::SetXattr("k", b"v"),
                 SubOp::Remove,
+                SubOp::WriteStaged {
+                    size: 4 << 20,
+                    members: vec![Some(3), None, Some(0), Some(u32::MAX - 1)],
+                },
             ],
         };
         let b = op.encode();

@@ -22,6 +22,9 @@ pub const MSG_RAFT_SNAPSHOT: u16 = 12;
 pub const MSG_CLIENT_OP: u16 = 20;
 pub const MSG_CLIENT_STAGE: u16 = 21;
 pub const MSG_CLIENT_LIST: u16 = 22;
+/// A shard of a whole-object write the client encoded itself, staged on the member that
+/// stores it until the primary's `MSG_SHARD_WRITE_STAGED` names it (`node::staging`).
+pub const MSG_CLIENT_STAGE_SHARD: u16 = 23;
 pub const MSG_SHARD_WRITE: u16 = 30;
 pub const MSG_SHARD_READ: u16 = 31;
 /// `MSG_SHARD_READ` flag: read the device, not the member's read cache (scrub).
@@ -34,6 +37,9 @@ pub const MSG_SHARD_ROLLBACK: u16 = 33;
 /// Remove a member's leftover shard of an object (a state older than what a member complete
 /// past it knows: `resolve`).
 pub const MSG_SHARD_DROP: u16 = 34;
+/// `MSG_SHARD_WRITE` whose data a client staged on the member (`MSG_CLIENT_STAGE_SHARD`):
+/// the body names the staged shard instead of carrying its bytes.
+pub const MSG_SHARD_WRITE_STAGED: u16 = 35;
 // Recovery (src/node/recovery.rs): served on the members' low-priority queue.
 /// A member's shards of one PG: (name, shard, version, size, deleted), paged by name.
 pub const MSG_SHARD_LIST: u16 = 40;
@@ -101,6 +107,9 @@ pub enum Status {
     /// A stored checksum did not match: the message names device, byte offset and the
     /// expected and found crc32c. The primary reads around the shard and repairs it.
     Corrupted = 18,
+    /// A shard the op names was not staged on the node (expired, the node restarted, or it
+    /// was staged elsewhere): the client stages again or sends the data to the primary.
+    NotStaged = 19,
 }
 
 impl Status {
@@ -126,6 +135,7 @@ impl Status {
             NotLeader,
             Internal,
             Corrupted,
+            NotStaged,
         ]
         .get(v as usize)
         .copied()
@@ -154,6 +164,7 @@ impl Status {
             NotLeader => "not the monitor leader",
             Internal => "internal error",
             Corrupted => "corrupt shard",
+            NotStaged => "shard not staged",
         }
     }
 }
@@ -214,7 +225,7 @@ impl<'a> Dec<'a> {
     pub fn new(b: &'a [u8]) -> Dec<'a> {
         Dec { b, at: 0 }
     }
-    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+    pub fn take(&mut self, n: usize) -> Result<&'a [u8]> {
         if self.b.len() - self.at < n {
             return Err(Error::Malformed(format!(
                 "message ends at byte {} but {} more bytes were expected at {}",

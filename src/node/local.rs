@@ -54,7 +54,7 @@ impl ReqId {
     /// kind u8 (1 client, 2 node), who u32 LE, id u64 LE.
     pub const BYTES: usize = 13;
 
-    fn to_bytes(self) -> [u8; Self::BYTES] {
+    pub(super) fn to_bytes(self) -> [u8; Self::BYTES] {
         let (kind, n) = match self.who {
             Identity::Client(n) => (1u8, n),
             Identity::Node(n) => (2u8, n),
@@ -67,7 +67,7 @@ impl ReqId {
     }
 
     /// `None` for anything that is not 13 bytes of a known kind.
-    fn from_bytes(b: &[u8]) -> Option<ReqId> {
+    pub(super) fn from_bytes(b: &[u8]) -> Option<ReqId> {
         if b.len() != Self::BYTES {
             return None;
         }
@@ -430,6 +430,26 @@ impl<'a> ShardWrite<'a> {
     }
 
     pub fn decode(d: &mut Dec<'a>) -> Result<ShardWrite<'a>> {
+        Ok(Self::decode_inner(d, false)?.0)
+    }
+
+    /// A `MSG_SHARD_WRITE_STAGED` body after the epoch: the write (no data) and the staged
+    /// shard it names.
+    pub fn decode_staged(d: &mut Dec<'a>) -> Result<(ShardWrite<'a>, StagedRef)> {
+        let (w, r) = Self::decode_inner(d, true)?;
+        Ok((w, r.expect("decoded when asked for")))
+    }
+
+    /// [`ShardWrite::encode_header`] of a write whose data a client staged on the member:
+    /// no data (length 0), then the staged shard's reference.
+    pub fn encode_staged(&self, epoch: u64, r: &StagedRef) -> Vec<u8> {
+        let mut b = self.encode_header_len(epoch, 0);
+        b.extend_from_slice(&r.upload.to_bytes());
+        b.extend_from_slice(&r.len.to_le_bytes());
+        b
+    }
+
+    fn decode_inner(d: &mut Dec<'a>, staged: bool) -> Result<(ShardWrite<'a>, Option<StagedRef>)> {
         let pool = d.u64()?;
         let pg = d.u32()?;
         let name = d.bytes()?;
@@ -447,6 +467,19 @@ impl<'a> ShardWrite<'a> {
         let reqs = ReqHistory::decode(d)?;
         let bytes = d.bytes()?;
         let data = ShardData::Flat(bytes);
+        let staged = if staged {
+            if !bytes.is_empty() {
+                return Err(Error::Malformed("a staged shard write carries data".into()));
+            }
+            let upload = ReqId::from_bytes(d.take(ReqId::BYTES)?)
+                .ok_or_else(|| Error::Malformed("staged shard write: bad upload id".into()))?;
+            Some(StagedRef {
+                upload,
+                len: d.u32()?,
+            })
+        } else {
+            None
+        };
         // Optionally, after the data: n u32, n × (length u32, crc32c u32) of its pieces.
         let mut listed_crcs = Vec::new();
         if d.remaining() > 0 {
@@ -468,7 +501,7 @@ impl<'a> ShardWrite<'a> {
             }
         }
         d.end()?;
-        Ok(ShardWrite {
+        let w = ShardWrite {
             pool,
             pg,
             name,
@@ -482,7 +515,8 @@ impl<'a> ShardWrite<'a> {
             data,
             chunk_crcs: Vec::new(),
             listed_crcs,
-        })
+        };
+        Ok((w, staged))
     }
 
     /// Adopt the chunk CRCs the message listed if they describe the data: the receiving
@@ -500,23 +534,7 @@ impl<'a> ShardWrite<'a> {
         if listed.is_empty() {
             return None;
         }
-        let start = (data.as_ptr() as usize).wrapping_sub(payload.as_ptr() as usize);
-        let Some(after) = payload.get(start.saturating_add(data.len())..) else {
-            return Some(false);
-        };
-        if start > payload.len() {
-            return Some(false);
-        }
-        use messenger::checksum::{crc32c, crc32c_combine};
-        let data_crc = listed
-            .iter()
-            .fold(0, |c, &(len, crc)| crc32c_combine(c, crc, len as usize));
-        let whole = crc32c_combine(
-            crc32c_combine(crc32c(&payload[..start]), data_crc, data.len()),
-            crc32c(after),
-            after.len(),
-        );
-        if whole == payload_crc {
+        if crcs_describe(payload, payload_crc, data, &listed) {
             self.chunk_crcs = listed;
             Some(true)
         } else {
@@ -527,6 +545,39 @@ impl<'a> ShardWrite<'a> {
             Some(false)
         }
     }
+}
+
+/// Whether `listed` (length, CRC-32C) pieces tiling `data`, which lies inside `payload`,
+/// describe it: the CRC of the bytes before `data`, the listed CRCs combined and the CRC of
+/// the bytes after must combine to `payload_crc`, which the receiving messenger verified over
+/// the whole payload. A pass over the bytes around the data, not over the data.
+pub fn crcs_describe(payload: &[u8], payload_crc: u32, data: &[u8], listed: &[(u32, u32)]) -> bool {
+    let start = (data.as_ptr() as usize).wrapping_sub(payload.as_ptr() as usize);
+    let covered: u64 = listed.iter().map(|&(l, _)| u64::from(l)).sum();
+    if start > payload.len() || covered != data.len() as u64 {
+        return false;
+    }
+    let Some(after) = payload.get(start.saturating_add(data.len())..) else {
+        return false;
+    };
+    use messenger::checksum::{crc32c, crc32c_combine};
+    let data_crc = listed
+        .iter()
+        .fold(0, |c, &(len, crc)| crc32c_combine(c, crc, len as usize));
+    let whole = crc32c_combine(
+        crc32c_combine(crc32c(&payload[..start]), data_crc, data.len()),
+        crc32c(after),
+        after.len(),
+    );
+    whole == payload_crc
+}
+
+/// A staged shard a `MSG_SHARD_WRITE_STAGED` names: the client's upload and the shard's
+/// length (docs/format.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StagedRef {
+    pub upload: ReqId,
+    pub len: u32,
 }
 
 /// The CRC of each store chunk of a whole shard of `len` bytes, from `pieces` (length, crc)
@@ -1878,6 +1929,44 @@ mod store_tests {
             data: ShardData::Flat(data),
             chunk_crcs: Vec::new(),
             listed_crcs: Vec::new(),
+        }
+    }
+
+    /// A write naming a staged shard decodes to the same write and the reference; it carries
+    /// no data, and a plain decode of it (or a staged decode of a plain write) fails.
+    #[test]
+    fn a_staged_shard_write_names_its_upload_and_carries_no_data() {
+        let w = full(9, &[], &[("k", b"v")]);
+        let r = StagedRef {
+            upload: ReqId {
+                who: Identity::Client(41),
+                id: 0xfeed_0000_0001,
+            },
+            len: 699_051,
+        };
+        let p = w.encode_staged(5, &r);
+        let mut d = Dec::new(&p);
+        assert_eq!(d.u64().unwrap(), 5);
+        let (got, got_r) = ShardWrite::decode_staged(&mut d).unwrap();
+        assert_eq!(got_r, r);
+        assert_eq!((got.name, got.shard, got.meta), (w.name, w.shard, w.meta));
+        assert_eq!(got.xattrs, w.xattrs);
+        assert!(got.data.is_empty());
+        let mut d = Dec::new(&p[8..]);
+        assert!(
+            ShardWrite::decode(&mut d).is_err(),
+            "the reference is not a crc list"
+        );
+        let mut plain = full(9, b"abc", &[]).encode_header(5);
+        plain.extend_from_slice(b"abc");
+        let mut d = Dec::new(&plain[8..]);
+        assert!(
+            ShardWrite::decode_staged(&mut d).is_err(),
+            "data in a staged write"
+        );
+        for cut in 8..p.len() {
+            let mut d = Dec::new(&p[8..cut]);
+            assert!(ShardWrite::decode_staged(&mut d).is_err(), "cut at {cut}");
         }
     }
 

@@ -20,12 +20,13 @@ pub mod recovery;
 pub mod repair;
 pub mod salvage;
 pub mod scrub;
+pub mod staging;
 pub mod strays;
 
 use std::collections::{HashMap, VecDeque};
 use std::path::Path;
 use std::sync::atomic::{
-    AtomicU64,
+    AtomicBool, AtomicU64,
     Ordering::{Acquire, Relaxed, Release},
 };
 use std::sync::{Arc, Mutex, OnceLock};
@@ -114,6 +115,8 @@ pub struct Counters {
     /// recorded those instead of summing), and those whose list did not (summed instead).
     pub shard_crcs_vouched: AtomicU64,
     pub shard_crcs_dropped: AtomicU64,
+    /// Whole-object writes whose shards the client encoded and staged (client-side EC).
+    pub writes_client_encoded: AtomicU64,
     /// Client writes held by the `inject_write_delay_ms` runtime setting, and those of them
     /// still sending their shards (the hold over or not).
     pub writes_delayed: AtomicU64,
@@ -170,6 +173,8 @@ pub struct Node {
     run_q: Arc<WaitQueue<(u64, u32)>>,
     shard_q: Arc<WaitQueue<(Incoming, Arc<TrackedOp>)>>,
     staging: Mutex<HashMap<(Identity, u64), Staged>>,
+    /// Shards clients encoded and staged here for whole-object writes (client-side EC).
+    pub shard_staging: staging::Staging,
     codecs: Mutex<HashMap<ec::Profile, Arc<ec::Codec>>>,
     pub counters: Counters,
     /// Op tracking, slow ops, counters of every subsystem (`perf dump`, metrics).
@@ -194,6 +199,11 @@ pub struct Node {
     /// being applied, as if the device were that slow. For tests of a primary change while a
     /// member is applying the old primary's write.
     pub(crate) inject_shard_apply_delay_ms: AtomicU64,
+    /// Fault injection (runtime setting `inject_drop_staged`): the node acknowledges the
+    /// shards clients stage on it and drops them, as if it had restarted in between (a write
+    /// naming one fails with `NotStaged` after `STAGED_SHARD_WAIT`; the client then sends
+    /// the data to the primary).
+    pub(crate) inject_drop_staged: AtomicBool,
 }
 
 struct NodeDispatcher {
@@ -208,6 +218,7 @@ impl Dispatcher for NodeDispatcher {
             wire::MSG_CLIENT_OP
                 | wire::MSG_PEER_PING
                 | wire::MSG_SHARD_WRITE
+                | wire::MSG_SHARD_WRITE_STAGED
                 | wire::MSG_SHARD_READ
                 | wire::MSG_SHARD_STAT
                 | wire::MSG_SHARD_ROLLBACK
@@ -251,7 +262,8 @@ impl Dispatcher for NodeDispatcher {
             | wire::MSG_SHARD_STAT
             | wire::MSG_SHARD_ROLLBACK
             | wire::MSG_SHARD_DROP
-            | wire::MSG_SHARD_REPAIR => node.enqueue_shard_op(msg),
+            | wire::MSG_SHARD_REPAIR
+            | wire::MSG_SHARD_WRITE_STAGED => node.enqueue_shard_op(msg),
             wire::MSG_SHARD_LIST
             | wire::MSG_PG_LOG
             | wire::MSG_PG_MARK
@@ -263,6 +275,10 @@ impl Dispatcher for NodeDispatcher {
             t => {
                 let r = match t {
                     wire::MSG_CLIENT_STAGE => node.stage(&msg),
+                    wire::MSG_CLIENT_STAGE_SHARD => node
+                        .shard_staging
+                        .stage(&msg, !node.inject_drop_staged.load(Relaxed))
+                        .map(|()| wire::reply_ok(node.epoch(), &[])),
                     wire::MSG_CLIENT_LIST => node.list(&msg),
                     wire::MSG_ADMIN_PERF_DUMP
                     | wire::MSG_ADMIN_PERF_RESET
@@ -443,7 +459,7 @@ impl Node {
 
     fn track_shard_op(&self, msg: &Incoming) -> Arc<TrackedOp> {
         let kind = match msg.msg_type() {
-            wire::MSG_SHARD_WRITE => "shard_write",
+            wire::MSG_SHARD_WRITE | wire::MSG_SHARD_WRITE_STAGED => "shard_write",
             wire::MSG_SHARD_READ => "shard_read",
             wire::MSG_SHARD_STAT => "shard_stat",
             wire::MSG_SHARD_REPAIR => "shard_repair",
@@ -709,6 +725,21 @@ impl Node {
                     Some(false) => self.counters.shard_crcs_dropped.fetch_add(1, Relaxed),
                     None => 0,
                 };
+                self.local.apply(&w)?;
+                Ok(vec![SendBuf::Vec(wire::reply_ok(self.epoch(), &[]))])
+            }
+            wire::MSG_SHARD_WRITE_STAGED => {
+                let (mut w, r) = ShardWrite::decode_staged(&mut d)?;
+                let _admitted = self.check_shard_sender(msg, epoch, w.pool, w.pg)?;
+                let staged = self.shard_staging.take(
+                    &r,
+                    w.shard,
+                    w.pool,
+                    w.pg,
+                    staging::STAGED_SHARD_WAIT,
+                )?;
+                w.data = local::ShardData::Flat(&staged.data);
+                w.chunk_crcs = staged.crcs.clone();
                 self.local.apply(&w)?;
                 Ok(vec![SendBuf::Vec(wire::reply_ok(self.epoch(), &[]))])
             }
@@ -1039,6 +1070,7 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
         run_q: Arc::new(WaitQueue::new()),
         shard_q: Arc::new(WaitQueue::new()),
         staging: Mutex::new(HashMap::new()),
+        shard_staging: staging::Staging::default(),
         codecs: Mutex::new(HashMap::new()),
         counters: Counters::default(),
         perf: perf::Perf::new(Duration::from_millis(cfg.slow_op_ms)),
@@ -1050,6 +1082,7 @@ pub fn start(mut cfg: NodeConfig) -> Result<Arc<Node>> {
         strays: strays::Strays::default(),
         inject_write_delay_ms: AtomicU64::new(0),
         inject_shard_apply_delay_ms: AtomicU64::new(0),
+        inject_drop_staged: AtomicBool::new(false),
     });
     node.forget_marks_after_salvage();
     let _ = node.msgr.set(msgr.clone());

@@ -172,7 +172,7 @@ impl Node {
             driver::workload::peak_rss_kib(),
         );
         #[rustfmt::skip]
-        let rows: [(&'static str, Row); 54] = [
+        let rows: [(&'static str, Row); 60] = [
             ("client", ("read_ops", C, c.read_ops.load(Relaxed), "Client read ops run as primary")),
             ("client", ("write_ops", C, c.write_ops.load(Relaxed), "Client write ops run as primary")),
             ("client", ("read_bytes", C, c.read_bytes.load(Relaxed), "Bytes returned to clients")),
@@ -192,6 +192,12 @@ impl Node {
             ("node", ("shard_writes_delayed", C, c.shard_writes_delayed.load(Relaxed), "Shard writes held between their check and their apply by the inject_shard_apply_delay_ms runtime setting (fault injection)")),
             ("node", ("primary_change_waits", C, self.intervals.drain_waits.load(Relaxed), "Shard and recovery ops of a PG's new primary that waited for the ops this node had admitted from its previous primary to finish")),
             ("node", ("primary_change_timeouts", C, self.intervals.drain_timeouts.load(Relaxed), "Of those, ops refused because the previous primary's ops were still in flight after the wait (the new primary retries)")),
+            ("client", ("writes_client_encoded", C, c.writes_client_encoded.load(Relaxed), "Whole-object writes led here whose shards the client encoded and staged on the members (client-side EC), acknowledged")),
+            ("node", ("shards_staged", C, self.shard_staging.staged.load(Relaxed), "Shards clients staged here for their own encoded writes")),
+            ("node", ("staged_shards_taken", C, self.shard_staging.taken.load(Relaxed), "Of those, shards a primary's write took")),
+            ("node", ("staged_shards_missing", C, self.shard_staging.missing.load(Relaxed), "Staged writes that named a shard not staged here (the client sent the data to the primary instead)")),
+            ("node", ("staged_shard_waits", C, self.shard_staging.waits.load(Relaxed), "Staged writes that reached this node before the shard they name, and waited for it")),
+            ("node", ("staged_shard_bytes", G, self.shard_staging.bytes.load(Relaxed), "Bytes of staged shards waiting for their write")),
             ("node", ("shard_crcs_vouched", C, c.shard_crcs_vouched.load(Relaxed), "Shard writes whose listed chunk CRCs matched the verified frame CRC (recorded without summing the bytes)")),
             ("node", ("shard_crcs_dropped", C, c.shard_crcs_dropped.load(Relaxed), "Shard writes whose listed chunk CRCs did not describe the bytes (summed instead)")),
             ("recovery", ("marks_refreshed", C, self.recovery.marks_refreshed.load(Relaxed), "Times a PG's member marks were advanced between passes")),
@@ -356,6 +362,7 @@ impl Node {
             "slow_op_ms": self.perf.ops.threshold().as_millis() as u64,
             "inject_write_delay_ms": self.inject_write_delay_ms.load(Relaxed),
             "inject_shard_apply_delay_ms": self.inject_shard_apply_delay_ms.load(Relaxed),
+            "inject_drop_staged": self.inject_drop_staged.load(Relaxed),
         })
     }
 
@@ -403,13 +410,21 @@ impl Node {
                     .map_err(|_| bad("milliseconds (an integer; 0 turns it off)"))?;
                 self.inject_shard_apply_delay_ms.store(ms, Relaxed);
             }
+            "inject_drop_staged" => {
+                let on = match value {
+                    "true" | "on" | "1" => true,
+                    "false" | "off" | "0" => false,
+                    _ => return Err(bad("true or false")),
+                };
+                self.inject_drop_staged.store(on, Relaxed);
+            }
             _ => {
                 return Err(Error::remote(
                     Status::Invalid,
                     format!(
                         "no runtime setting {key:?}; settable: read_coalescing, read_cache, \
-                         slow_op_ms, inject_write_delay_ms, inject_shard_apply_delay_ms \
-                         (others need node.toml and a restart)"
+                         slow_op_ms, inject_write_delay_ms, inject_shard_apply_delay_ms, \
+                         inject_drop_staged (others need node.toml and a restart)"
                     ),
                 ))
             }

@@ -26,7 +26,7 @@ use messenger::{BufPool, Incoming, OutMessage, Payload, SendBuf};
 use smallvec::SmallVec;
 
 use super::local::{
-    ReqHistory, ReqId, ShardData, ShardMeta, ShardState, ShardWrite, WriteKind, BASE_ANY,
+    ReqHistory, ReqId, ShardData, ShardMeta, ShardState, ShardWrite, StagedRef, WriteKind, BASE_ANY,
 };
 use super::Node;
 use crate::error::{Error, Result};
@@ -250,6 +250,10 @@ impl Node {
                 staged: staged.as_deref(),
                 request: job.payload(),
                 reqid,
+                upload: ReqId {
+                    who: job.peer(),
+                    id: op.upload_id,
+                },
             };
             match self.try_op(&op, src, cache) {
                 Err(Error::Remote {
@@ -1120,6 +1124,7 @@ impl Node {
             staged,
             request,
             reqid,
+            upload,
         } = src;
         let mut xattrs = if st.exists() {
             st.xattrs.clone()
@@ -1172,9 +1177,28 @@ impl Node {
             Full(Cow<'a, [u8]>, bool),
             Range(u64, Cow<'a, [u8]>),
             Meta,
+            /// A whole object of this size, its shards encoded and staged by the client.
+            Staged(u64),
         }
         let plan = match &m.data {
             Some(SubOp::WriteFull(d)) => Plan::Full(with_staged(d), false),
+            Some(SubOp::WriteStaged { size, members }) => {
+                // The client staged by its map: the members must be this write's, and every
+                // member this write goes to must have its shard.
+                let missing = (0..ctx.n())
+                    .any(|s| ctx.up(s).is_some() && members.get(s) != Some(&ctx.acting.members[s]));
+                if members.len() != ctx.n() || missing {
+                    return Err(Error::remote(
+                        Status::StaleEpoch,
+                        format!(
+                            "pg {}.{:x} at epoch {} has members {:?}; the shards were staged on \
+                             {members:?}: stage them again",
+                            ctx.pool.id, ctx.pg, ctx.map.epoch, ctx.acting.members
+                        ),
+                    ));
+                }
+                Plan::Staged(*size)
+            }
             Some(SubOp::Remove) => Plan::Full(Cow::Borrowed(&[]), true),
             Some(SubOp::Write { offset, data }) => {
                 let data = with_staged(data);
@@ -1271,6 +1295,36 @@ impl Node {
                 owned(vec![Vec::new(); n]),
                 up_mask & st.current,
             ),
+            Plan::Staged(size) => {
+                if size > ops::OBJECT_BYTES_MAX {
+                    return Err(too_large(size));
+                }
+                self.counters.write_bytes.fetch_add(size, Relaxed);
+                // This node's own shard was staged here too: it is taken now; the others
+                // are taken by the members when the write names them.
+                let shards = (0..n)
+                    .map(|s| {
+                        let len = ctx.clip(s, size) as u32;
+                        let r = StagedRef { upload, len };
+                        if ctx.acting.members[s] == Some(self.id) {
+                            let st = self.shard_staging.take(
+                                &r,
+                                s as u8,
+                                ctx.pool.id,
+                                ctx.pg,
+                                super::staging::STAGED_SHARD_WAIT,
+                            )?;
+                            Ok(ShardBytes::StagedHere {
+                                data: st.data,
+                                crcs: st.crcs,
+                            })
+                        } else {
+                            Ok(ShardBytes::Staged(r))
+                        }
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                (size, false, vec![(WriteKind::Full, 0); n], shards, up_mask)
+            }
         };
         let kind = if kinds.iter().all(|k| k.0 == WriteKind::Full) {
             WriteKind::Full
@@ -1320,6 +1374,9 @@ impl Node {
             }
         }
         let acked = acked?;
+        if matches!(m.data, Some(SubOp::WriteStaged { .. })) {
+            self.counters.writes_client_encoded.fetch_add(1, Relaxed);
+        }
         // The slots that replaced existing bytes keep them for a rollback that will not
         // come now: have them dropped — whole shards replaced (an overwrite, a remove), and
         // large ranges overwritten in place. A small range's record (and an append's, which
@@ -1540,15 +1597,21 @@ impl Node {
                     .iter()
                     .map(|u| (u.len() as u32, messenger::checksum::crc32c(u)))
                     .collect(),
+                ShardBytes::StagedHere { crcs, .. } => crcs.clone(),
                 _ => Vec::new(),
             })
             .collect();
+        // Shards the client staged on the members go out as references to them.
+        let staged = shards.iter().any(|b| matches!(b, ShardBytes::Staged(_)));
         let bytes_of = |s: usize| -> ShardData<'_> {
             match &shards[s] {
                 ShardBytes::Owned(v) => ShardData::Flat(v),
                 // This node's own units; for another member's, nothing: they are sent as
                 // parts (the header gets the length from `ShardBytes::len`).
                 ShardBytes::Units { .. } => ShardData::Parts(&own_parts[s]),
+                ShardBytes::StagedHere { data, .. } => ShardData::Flat(data),
+                // At the member: the message names it.
+                ShardBytes::Staged(_) => ShardData::Flat(&[]),
             }
         };
         let deadline = Instant::now() + Duration::from_millis(self.cfg.write_wait_ms);
@@ -1629,6 +1692,12 @@ impl Node {
                 let reqs = todo
                     .iter()
                     .map(|&s| {
+                        if let ShardBytes::Staged(r) = &shards[s] {
+                            return (
+                                s,
+                                vec![SendBuf::Vec(write(s).encode_staged(ctx_map.epoch, r))],
+                            );
+                        }
                         let head = write(s).encode_header_len(ctx_map.epoch, shards[s].len());
                         let mut parts = vec![SendBuf::Vec(head)];
                         shards[s].push_parts_with_crcs(&piece_crcs[s], &mut parts);
@@ -1666,12 +1735,27 @@ impl Node {
                         }),
                     )
                 };
-                let replies =
-                    self.fan_out_with(&sub, wire::MSG_SHARD_WRITE, reqs, &local, Some(&start));
+                let msg_type = if staged {
+                    wire::MSG_SHARD_WRITE_STAGED
+                } else {
+                    wire::MSG_SHARD_WRITE
+                };
+                let replies = self.fan_out_with(&sub, msg_type, reqs, &local, Some(&start));
                 for (slot, r) in replies {
                     // The new primary settles the object.
                     match self.unless_superseded(r)? {
                         Ok(_) => acked |= bit(slot),
+                        // The member does not have its shard (it restarted, or it took it in
+                        // a try whose reply was lost): no later try can succeed; the client
+                        // sends the data instead. The members that took theirs hold a
+                        // version the next write or recovery settles, as after any failed
+                        // write.
+                        Err(e) if e.status() == Status::NotStaged => {
+                            return Err(Error::remote(
+                                Status::NotStaged,
+                                format!("shard {slot}: {e}"),
+                            ))
+                        }
                         Err(e) => {
                             last_err = format!("shard {slot}: {e}");
                             failed |= bit(slot);
@@ -1936,6 +2020,9 @@ pub(super) fn check_ops<'a>(op: &ClientOp<'a>) -> Result<Mutation<'a>> {
             SubOp::Write { offset, data } if offset + data.len() as u64 > ops::OBJECT_BYTES_MAX => {
                 return Err(too_large(offset + data.len() as u64))
             }
+            SubOp::WriteStaged { size, .. } if *size > ops::OBJECT_BYTES_MAX => {
+                return Err(too_large(*size))
+            }
             SubOp::SetXattr(n, v) => {
                 if n.is_empty()
                     || n.len() > XATTR_NAME_BYTES_MAX
@@ -2013,6 +2100,8 @@ struct Source<'a> {
     request: &'a Payload,
     /// The request's id, when a resend of it is to be recognised.
     reqid: Option<ReqId>,
+    /// The client and its `upload_id`: the shards a `WriteStaged` names.
+    upload: ReqId,
 }
 
 /// A stripe unit sent with its CRC, which the frame's CRC combines instead of summing the
@@ -2045,6 +2134,14 @@ pub(super) enum ShardBytes {
         units: Vec<Payload>,
         len: usize,
     },
+    /// This node's shard of a client-encoded write, as the client staged it here, with its
+    /// checked chunk CRCs.
+    StagedHere {
+        data: Payload,
+        crcs: Vec<(u32, u32)>,
+    },
+    /// Another member's shard of a client-encoded write, staged on that member.
+    Staged(StagedRef),
 }
 
 impl ShardBytes {
@@ -2056,6 +2153,8 @@ impl ShardBytes {
         match self {
             ShardBytes::Owned(v) => v.len(),
             ShardBytes::Units { len, .. } => *len,
+            ShardBytes::StagedHere { data, .. } => data.len(),
+            ShardBytes::Staged(r) => r.len as usize,
         }
     }
 
@@ -2088,6 +2187,8 @@ impl ShardBytes {
             ShardBytes::Units { units, .. } => {
                 parts.extend(units.iter().map(|u| SendBuf::Payload(u.clone())))
             }
+            ShardBytes::StagedHere { data, .. } => parts.push(SendBuf::Payload(data.clone())),
+            ShardBytes::Staged(_) => {}
         }
     }
 
@@ -2101,6 +2202,8 @@ impl ShardBytes {
                 units.iter().for_each(|u| out.extend_from_slice(u));
                 out
             }
+            ShardBytes::StagedHere { data, .. } => data.to_vec(),
+            ShardBytes::Staged(_) => Vec::new(),
         }
     }
 }
@@ -2244,6 +2347,32 @@ mod tests {
         /// Shards sent as references to the request's stripe units are the bytes the
         /// gathering encoder makes: every slot, every size (whole, short and one-byte last
         /// stripes), several profiles; parity in recycled pool buffers full of old bytes.
+        #[test]
+        /// Client-side EC lays out and encodes a whole object exactly as the primary does
+        /// (the members store the client's shards as the primary's), and each piece's CRC is
+        /// the CRC of its bytes.
+        #[test]
+        fn the_clients_encode_matches_the_primarys(
+            profile in prop_oneof![Just((6u32, 2u32, 4096u32)), Just((4, 2, 8192)), Just((2, 1, 4096))],
+            size in prop_oneof![1usize..100_000, (1usize..8).prop_map(|s| s * 6 * 4096)],
+            seed in any::<u64>(),
+        ) {
+            let ctx = test_ctx(profile.0, profile.1, profile.2);
+            let mut x = seed | 1;
+            let bytes: Vec<u8> = (0..size).map(|_| { x ^= x << 13; x ^= x >> 7; x ^= x << 17; x as u8 }).collect();
+            let want = encode_full(&ctx, &bytes);
+            let got = crate::client_ec::encode_object(&ctx.profile, &ctx.codec, &bytes.clone().into());
+            prop_assert_eq!(got.len(), want.len());
+            for (slot, (g, w)) in got.iter().zip(&want).enumerate() {
+                let joined: Vec<u8> = g.iter().flat_map(|u| u.bytes().to_vec()).collect();
+                prop_assert!(&joined == w, "slot {} bytes", slot);
+                for u in g {
+                    prop_assert!(u.len() <= ctx.profile.stripe_unit() && !u.is_empty());
+                    prop_assert_eq!(u.crc, messenger::checksum::crc32c(u.bytes()));
+                }
+            }
+        }
+
         #[test]
         fn shards_from_units_match_the_gathered_encode(
             profile in prop_oneof![Just((6u32, 2u32, 4096u32)), Just((4, 2, 8192)), Just((2, 1, 4096))],
