@@ -661,7 +661,10 @@ fn client_encoded_writes_read_back_whole_and_degraded_and_fall_back_when_a_shard
     let map = c.map();
     let info = &map.pools[&pool];
     let (name, data) = (b"lost-stage", bytes(77, (2 << 20) + 5));
-    let members = nvstore::placement::pg_members(&map, info, nvstore::placement::pg_of(info, name));
+    let members_of = |name: &[u8]| {
+        nvstore::placement::pg_members(&map, info, nvstore::placement::pg_of(info, name))
+    };
+    let members = members_of(name);
     let victim = members[3].expect("every slot has a member");
     c.config(victim, Some(("inject_drop_staged", "true")))
         .unwrap();
@@ -671,6 +674,23 @@ fn client_encoded_writes_read_back_whole_and_degraded_and_fall_back_when_a_shard
     assert!(c.get(pool, name).unwrap() == data);
     c.config(victim, Some(("inject_drop_staged", "false")))
         .unwrap();
+    // Staged writes that do not add up: clear errors, nothing written.
+    let staged = |size: u64, members: Vec<Option<u32>>| {
+        let e = c
+            .op(pool, b"bad-staged", &[SubOp::WriteStaged { size, members }])
+            .unwrap_err();
+        (status_of(&e), e.to_string())
+    };
+    let bad = members_of(b"bad-staged");
+    let (st, e) = staged(5 << 20, vec![Some(1)]);
+    assert_eq!(st, Some(Status::Invalid), "{e}");
+    assert!(e.contains("lists 1 members"), "{e}");
+    let (st, e) = staged(65 << 20, bad.clone());
+    assert_eq!(st, Some(Status::TooLarge), "{e}");
+    let (st, e) = staged(5 << 20, bad);
+    assert_eq!(st, Some(Status::NotStaged), "never staged: {e}");
+    let e = c.stat(pool, b"bad-staged").unwrap_err();
+    assert_eq!(status_of(&e), Some(Status::NotFound), "{e}");
     assert_eq!(
         sum("client", "writes_client_encoded"),
         4,
@@ -679,8 +699,7 @@ fn client_encoded_writes_read_back_whole_and_degraded_and_fall_back_when_a_shard
 
     // Degraded: kill the nodes of two data slots of cec-1; every object still reads (the
     // client's parity makes up for the missing data shards).
-    let pg = nvstore::placement::pg_of(info, b"cec-1");
-    let members = nvstore::placement::pg_members(&map, info, pg);
+    let members = members_of(b"cec-1");
     let dead = [members[0].unwrap(), members[4].unwrap()];
     h.kill_nodes(&dead);
     common::read_all(c, pool, &objs);

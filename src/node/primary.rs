@@ -1185,9 +1185,20 @@ impl Node {
             Some(SubOp::WriteStaged { size, members }) => {
                 // The client staged by its map: the members must be this write's, and every
                 // member this write goes to must have its shard.
+                if members.len() != ctx.n() {
+                    return Err(Error::remote(
+                        Status::Invalid,
+                        format!(
+                            "a staged write lists {} members; pool {} has {} shards",
+                            members.len(),
+                            ctx.pool.id,
+                            ctx.n()
+                        ),
+                    ));
+                }
                 let missing = (0..ctx.n())
-                    .any(|s| ctx.up(s).is_some() && members.get(s) != Some(&ctx.acting.members[s]));
-                if members.len() != ctx.n() || missing {
+                    .any(|s| ctx.up(s).is_some() && members[s] != ctx.acting.members[s]);
+                if missing {
                     return Err(Error::remote(
                         Status::StaleEpoch,
                         format!(
