@@ -369,14 +369,7 @@ impl Client {
             return Ok(self.op(pool, name, &[SubOp::WriteFull(data)])?.0);
         }
         if data.len() as u64 > ops::OBJECT_BYTES_MAX {
-            return Err(Error::remote(
-                Status::TooLarge,
-                format!(
-                    "object of {} bytes; the maximum is {}",
-                    data.len(),
-                    ops::OBJECT_BYTES_MAX
-                ),
-            ));
+            return Err(too_large(data.len()));
         }
         ops::check_name(name).map_err(|m| Error::remote(Status::Invalid, m))?;
         let split = data.len() - data.len() % ops::MESSAGE_DATA_BYTES_MAX.max(1);
@@ -451,14 +444,7 @@ impl Client {
     fn put_encoded(&self, pool: u64, name: &[u8], data: &Arc<[u8]>) -> Result<Option<u64>> {
         ops::check_name(name).map_err(|m| Error::remote(Status::Invalid, m))?;
         if data.len() as u64 > ops::OBJECT_BYTES_MAX {
-            return Err(Error::remote(
-                Status::TooLarge,
-                format!(
-                    "object of {} bytes; the maximum is {}",
-                    data.len(),
-                    ops::OBJECT_BYTES_MAX
-                ),
-            ));
+            return Err(too_large(data.len()));
         }
         let reqid = self.reqid();
         let mut encoded: Option<(Profile, Vec<Vec<SharedUnit>>)> = None;
@@ -720,6 +706,17 @@ impl Client {
             r => r,
         }
     }
+}
+
+/// The error for an object larger than [`ops::OBJECT_BYTES_MAX`].
+fn too_large(n: usize) -> Error {
+    Error::remote(
+        Status::TooLarge,
+        format!(
+            "object of {n} bytes; the maximum is {}",
+            ops::OBJECT_BYTES_MAX
+        ),
+    )
 }
 
 /// How often a request waiting for its reply looks for a map that moved its PG.

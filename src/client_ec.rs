@@ -98,12 +98,7 @@ pub fn encode_object(profile: &Profile, codec: &Codec, data: &Arc<[u8]>) -> Vec<
         codec.encode_stripe(&data[s * w..(s + 1) * w], &mut p);
     }
     if whole < stripes {
-        let mut stripe = vec![0u8; k * last_unit];
-        for j in 0..k {
-            let at = (whole * w + j * u).min(size);
-            let src = &data[at..(at + last_unit).min(size)];
-            stripe[j * last_unit..j * last_unit + src.len()].copy_from_slice(src);
-        }
+        let stripe = padded_last_stripe(data, k, u, whole, last_unit);
         let mut p: Vec<&mut [u8]> = parity.iter_mut().map(|v| &mut v[whole * u..]).collect();
         codec.encode_stripe(&stripe, &mut p);
     }
@@ -120,4 +115,23 @@ pub fn encode_object(profile: &Profile, codec: &Codec, data: &Arc<[u8]>) -> Vec<
         );
     }
     shards
+}
+
+/// The object's last, partly filled stripe (stripe `whole`) as `k` units of `last_unit`
+/// bytes, zero-padded: what the encoder takes for it (the primary's `encode_full_units` too).
+pub(crate) fn padded_last_stripe(
+    data: &[u8],
+    k: usize,
+    u: usize,
+    whole: usize,
+    last_unit: usize,
+) -> Vec<u8> {
+    let (w, size) = (k * u, data.len());
+    let mut stripe = vec![0u8; k * last_unit];
+    for j in 0..k {
+        let at = (whole * w + j * u).min(size);
+        let src = &data[at..(at + last_unit).min(size)];
+        stripe[j * last_unit..j * last_unit + src.len()].copy_from_slice(src);
+    }
+    stripe
 }

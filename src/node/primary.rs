@@ -2261,12 +2261,7 @@ fn encode_full_units(ctx: &Ctx, data: &Payload, pool: &BufPool) -> Vec<ShardByte
         ctx.codec.encode_stripe(&data[s * w..(s + 1) * w], &mut p);
     }
     if whole < stripes {
-        let mut stripe = vec![0u8; k * last_unit];
-        for j in 0..k {
-            let at = (whole * w + j * u).min(size);
-            let src = &data[at..(at + last_unit).min(size)];
-            stripe[j * last_unit..j * last_unit + src.len()].copy_from_slice(src);
-        }
+        let stripe = crate::client_ec::padded_last_stripe(data, k, u, whole, last_unit);
         let mut p: SmallVec<[&mut [u8]; 4]> = parity
             .iter_mut()
             .map(|v| &mut v.spare_mut()[whole * u..len])
