@@ -671,6 +671,7 @@ fn client_encoded_writes_read_back_whole_and_degraded_and_fall_back_when_a_shard
     c.put(pool, name, &data).unwrap();
     assert_eq!(c.client_ec_stats(), (4, 1), "the put fell back");
     assert!(counter(c, victim, "node", "staged_shards_missing") >= 1);
+    assert!(counter(c, victim, "node", "staged_shards_expired") >= 1);
     assert!(c.get(pool, name).unwrap() == data);
     c.config(victim, Some(("inject_drop_staged", "false")))
         .unwrap();

@@ -636,9 +636,19 @@ fn runtime_config_changes_a_running_node(h: &Harness) {
         .unwrap_err()
         .to_string();
     assert!(e.contains("expected milliseconds"), "{e}");
+    assert_eq!(
+        v["inject_drop_staged"], false,
+        "fault injection is off: {v}"
+    );
+    let e = c
+        .config(3, Some(("inject_drop_staged", "sometimes")))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("expected true or false"), "{e}");
     let v = c.config(3, None).unwrap();
     assert_eq!(v["inject_write_delay_ms"], 0, "{v}");
     assert_eq!(v["inject_shard_apply_delay_ms"], 0, "{v}");
+    assert_eq!(v["inject_drop_staged"], false, "{v}");
     assert_eq!(
         (&v["read_coalescing"], &v["slow_op_ms"]),
         (&false.into(), &2500.into())

@@ -172,7 +172,7 @@ impl Node {
             driver::workload::peak_rss_kib(),
         );
         #[rustfmt::skip]
-        let rows: [(&'static str, Row); 60] = [
+        let rows: [(&'static str, Row); 61] = [
             ("client", ("read_ops", C, c.read_ops.load(Relaxed), "Client read ops run as primary")),
             ("client", ("write_ops", C, c.write_ops.load(Relaxed), "Client write ops run as primary")),
             ("client", ("read_bytes", C, c.read_bytes.load(Relaxed), "Bytes returned to clients")),
@@ -196,6 +196,7 @@ impl Node {
             ("node", ("shards_staged", C, self.shard_staging.staged.load(Relaxed), "Shards clients staged here for their own encoded writes")),
             ("node", ("staged_shards_taken", C, self.shard_staging.taken.load(Relaxed), "Of those, shards a primary's write took")),
             ("node", ("staged_shards_missing", C, self.shard_staging.missing.load(Relaxed), "Staged writes that named a shard not staged here (the client sent the data to the primary instead)")),
+            ("node", ("staged_shards_expired", C, self.shard_staging.expired.load(Relaxed), "Staged shards dropped unused: no write took them within 30 s (a client gone between its stages and its op, a write that failed first), or dropped on arrival by the inject_drop_staged fault injection")),
             ("node", ("staged_shard_waits", C, self.shard_staging.waits.load(Relaxed), "Staged writes that reached this node before the shard they name, and waited for it")),
             ("node", ("staged_shard_bytes", G, self.shard_staging.bytes.load(Relaxed), "Bytes of staged shards waiting for their write")),
             ("node", ("shard_crcs_vouched", C, c.shard_crcs_vouched.load(Relaxed), "Shard writes whose listed chunk CRCs matched the verified frame CRC (recorded without summing the bytes)")),
