@@ -270,6 +270,15 @@ impl<'a> Dec<'a> {
     pub fn skip(&mut self, n: usize) -> Result<()> {
         self.take(n).map(|_| ())
     }
+    /// A list of (length u32, crc32c u32) pieces, count u32 first (shard writes, staged
+    /// shards, shard read replies); `what` names the message in the error for a short one.
+    pub fn crc_list(&mut self, what: &str) -> Result<Vec<(u32, u32)>> {
+        let n = self.u32()? as usize;
+        if n > self.remaining() / 8 {
+            return Err(Error::Malformed(format!("{what}: chunk crc list is short")));
+        }
+        (0..n).map(|_| Ok((self.u32()?, self.u32()?))).collect()
+    }
     /// Bytes left to read.
     pub fn remaining(&self) -> usize {
         self.b.len() - self.at

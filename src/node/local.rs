@@ -483,15 +483,7 @@ impl<'a> ShardWrite<'a> {
         // Optionally, after the data: n u32, n × (length u32, crc32c u32) of its pieces.
         let mut listed_crcs = Vec::new();
         if d.remaining() > 0 {
-            let n = d.u32()? as usize;
-            if n > d.remaining() / 8 {
-                return Err(Error::Malformed(
-                    "shard write: chunk crc list is short".into(),
-                ));
-            }
-            listed_crcs = (0..n)
-                .map(|_| Ok((d.u32()?, d.u32()?)))
-                .collect::<Result<Vec<_>>>()?;
+            listed_crcs = d.crc_list("shard write")?;
             let total: u64 = listed_crcs.iter().map(|&(l, _)| u64::from(l)).sum();
             if total != bytes.len() as u64 {
                 return Err(Error::Malformed(format!(

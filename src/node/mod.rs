@@ -731,13 +731,7 @@ impl Node {
             wire::MSG_SHARD_WRITE_STAGED => {
                 let (mut w, r) = ShardWrite::decode_staged(&mut d)?;
                 let _admitted = self.check_shard_sender(msg, epoch, w.pool, w.pg)?;
-                let staged = self.shard_staging.take(
-                    &r,
-                    w.shard,
-                    w.pool,
-                    w.pg,
-                    staging::STAGED_SHARD_WAIT,
-                )?;
+                let staged = self.shard_staging.take(&r, w.shard, w.pool, w.pg)?;
                 w.data = local::ShardData::Flat(&staged.data);
                 w.chunk_crcs = staged.crcs.clone();
                 self.local.apply(&w)?;

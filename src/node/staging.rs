@@ -83,13 +83,7 @@ impl Staging {
         let pg = d.u32()?;
         let slot = d.u8()?;
         let data = d.bytes()?;
-        let n = d.u32()? as usize;
-        if n > d.remaining() / 8 {
-            return Err(Error::Malformed("staged shard: crc list is short".into()));
-        }
-        let listed = (0..n)
-            .map(|_| Ok((d.u32()?, d.u32()?)))
-            .collect::<Result<Vec<_>>>()?;
+        let listed = d.crc_list("staged shard")?;
         d.end()?;
         if data.len() as u64 > crate::ops::OBJECT_BYTES_MAX {
             return Err(Error::remote(Status::TooLarge, "staged shard too large"));
@@ -137,19 +131,12 @@ impl Staging {
         Ok(())
     }
 
-    /// The staged shard a write names, removed — waiting up to `wait` for it to arrive;
-    /// `NotStaged` when it is not here by then or not what the write says it is (another PG,
-    /// another length).
-    pub fn take(
-        &self,
-        r: &StagedRef,
-        slot: u8,
-        pool: u64,
-        pg: u32,
-        wait: Duration,
-    ) -> Result<StagedShard> {
+    /// The staged shard a write names, removed — waiting up to [`STAGED_SHARD_WAIT`] for it
+    /// to arrive; `NotStaged` when it is not here by then or not what the write says it is
+    /// (another PG, another length).
+    pub fn take(&self, r: &StagedRef, slot: u8, pool: u64, pg: u32) -> Result<StagedShard> {
         let key = (r.upload, slot);
-        let deadline = Instant::now() + wait;
+        let deadline = Instant::now() + STAGED_SHARD_WAIT;
         let mut st = self.shards.lock().unwrap();
         let mut waited = false;
         while !st.contains_key(&key) {
