@@ -88,25 +88,33 @@ pub fn encode_object(profile: &Profile, codec: &Codec, data: &Arc<[u8]>) -> Vec<
     let last = size - (stripes - 1) * w;
     let last_unit = last.clamp(1, u);
     let len = (stripes - 1) * u + last_unit;
-    let mut parity: Vec<Vec<u8>> = (0..n - k).map(|_| vec![0u8; len]).collect();
-    let whole = if last == w { stripes } else { stripes - 1 };
-    for s in 0..whole {
-        let mut p: Vec<&mut [u8]> = parity
+    // Encoded straight into the buffers the units share (a `Vec` turned into an `Arc<[u8]>`
+    // afterwards would be copied once more).
+    let mut parity: Vec<Arc<[u8]>> = (0..n - k)
+        .map(|_| std::iter::repeat_n(0u8, len).collect())
+        .collect();
+    {
+        let mut bufs: Vec<&mut [u8]> = parity
             .iter_mut()
-            .map(|v| &mut v[s * u..(s + 1) * u])
+            .map(|b| Arc::get_mut(b).expect("a parity buffer nobody shares yet"))
             .collect();
-        codec.encode_stripe(&data[s * w..(s + 1) * w], &mut p);
-    }
-    if whole < stripes {
-        let stripe = padded_last_stripe(data, k, u, whole, last_unit);
-        let mut p: Vec<&mut [u8]> = parity.iter_mut().map(|v| &mut v[whole * u..]).collect();
-        codec.encode_stripe(&stripe, &mut p);
+        let whole = if last == w { stripes } else { stripes - 1 };
+        for s in 0..whole {
+            let mut p: Vec<&mut [u8]> = bufs
+                .iter_mut()
+                .map(|v| &mut v[s * u..(s + 1) * u])
+                .collect();
+            codec.encode_stripe(&data[s * w..(s + 1) * w], &mut p);
+        }
+        if whole < stripes {
+            let stripe = padded_last_stripe(data, k, u, whole, last_unit);
+            let mut p: Vec<&mut [u8]> = bufs.iter_mut().map(|v| &mut v[whole * u..]).collect();
+            codec.encode_stripe(&stripe, &mut p);
+        }
     }
     // Parity is meaningful where shard 0 has bytes.
     let clip = (profile.shard_data_len(size as u64, 0) as usize).min(len);
-    for mut v in parity {
-        v.truncate(clip);
-        let buf: Arc<[u8]> = v.into();
+    for buf in parity {
         shards.push(
             (0..clip)
                 .step_by(u)
