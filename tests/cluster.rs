@@ -706,3 +706,43 @@ fn client_encoded_writes_read_back_whole_and_degraded_and_fall_back_when_a_shard
     common::read_all(c, pool, &objs);
     assert!(c.get(pool, name).unwrap() == data);
 }
+
+/// A cluster whose devices fill up refuses the write that does not fit with `NoSpace` and the
+/// full device named — at once, not after waiting for min_size and then calling it degraded —
+/// and keeps serving everything it acknowledged.
+#[test]
+fn a_full_cluster_refuses_writes_with_no_space_and_keeps_serving() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let h = common::cluster(
+        "nvstore-test-",
+        &LocalOptions {
+            device_bytes: 96 << 20,
+            ..LocalOptions::default()
+        },
+    );
+    let c = &h.client;
+    let pool = c.create_pool("full", 6, 2, 64 << 10, 8, None).unwrap();
+    // 8 devices of 96 MiB hold well under 600 MiB of 6+2 coded data.
+    let mut kept: Vec<(String, Vec<u8>)> = Vec::new();
+    let err = loop {
+        let i = kept.len();
+        assert!(i < 600, "600 MiB written and nothing filled");
+        let name = format!("fill-{i}");
+        let data = bytes(7000 + i as u64, 1 << 20);
+        match c.put(pool, name.as_bytes(), &data) {
+            Ok(_) => kept.push((name, data)),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(status_of(&err), Some(Status::NoSpace), "{err}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("out of space") && msg.contains("dev0.img"),
+        "the error names the full device: {msg}"
+    );
+    assert!(kept.len() > 50, "filled after only {} MiB", kept.len());
+    // Everything acknowledged reads back, and the nodes still answer.
+    common::read_all(c, pool, &kept);
+    let st = c.status().unwrap();
+    assert_eq!(st.nodes_up, 8, "{}", render_status(&st));
+}

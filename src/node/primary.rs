@@ -1761,6 +1761,21 @@ impl Node {
                                 format!("shard {slot}: {e}"),
                             ))
                         }
+                        // A member's store is full of live data (with anything for its
+                        // cleaner to reclaim it waits instead): no retry within the write's
+                        // wait can succeed, and the client should hear "out of space", not
+                        // a min_size wait that ends in "degraded".
+                        Err(e) if e.status() == Status::NoSpace => {
+                            return Err(Error::remote(
+                                Status::NoSpace,
+                                format!(
+                                    "write of {:?}: shard {slot}: {}. The object holds either \
+                                     its old or its new content",
+                                    String::from_utf8_lossy(name),
+                                    e.message()
+                                ),
+                            ))
+                        }
                         Err(e) => {
                             last_err = format!("shard {slot}: {e}");
                             failed |= bit(slot);
