@@ -80,6 +80,8 @@ pub struct BenchResult {
     /// Ours over Ceph's (MB/s for 4 MiB, IOPS for 4 KiB).
     pub ratio_vs_ceph: Option<f64>,
     pub memory: Memory,
+    /// The run stopped early: the cluster ran out of space (the first such error).
+    pub stopped_full: Option<String>,
 }
 
 /// Peak resident memory after a run: every up node's (from its perf dump) and this client's.
@@ -177,6 +179,8 @@ pub fn bench(
     let done = Arc::new(AtomicU64::new(0));
     let errors = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
+    // The first "out of space": the run stops there (every later write would fail as fast).
+    let full: Arc<std::sync::OnceLock<String>> = Arc::default();
     let mut payload = vec![0u8; size as usize];
     rand_chacha::ChaCha8Rng::seed_from_u64(size).fill_bytes(&mut payload);
     // Shared, not copied per put, as rados bench writes one bufferlist again and again.
@@ -196,12 +200,13 @@ pub fn bench(
     let hists: Vec<Histogram<u64>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..concurrency)
             .map(|t| {
-                let (next, done, errors, stop, payload) = (
+                let (next, done, errors, stop, payload, full) = (
                     next.clone(),
                     done.clone(),
                     errors.clone(),
                     stop.clone(),
                     payload.clone(),
+                    full.clone(),
                 );
                 spawn_named(s, format!("bench-client-{t}"), move || {
                     let mut h =
@@ -236,6 +241,10 @@ pub fn bench(
                                 done.fetch_add(1, Relaxed);
                             }
                             Err(e) => {
+                                if e.status() == crate::wire::Status::NoSpace {
+                                    let _ = full.set(e.to_string());
+                                    stop.store(true, Relaxed);
+                                }
                                 if errors.fetch_add(1, Relaxed) < 3 {
                                     eprintln!("bench: {name}: {e}");
                                 }
@@ -247,7 +256,7 @@ pub fn bench(
             })
             .collect();
         let deadline = t0 + Duration::from_secs(seconds);
-        while Instant::now() < deadline {
+        while Instant::now() < deadline && !stop.load(Relaxed) {
             std::thread::sleep(Duration::from_millis(250));
             if let Some(b) = &bar {
                 let el = t0.elapsed().as_secs_f64();
@@ -270,9 +279,18 @@ pub fn bench(
     if let Some(b) = bar {
         b.finish_and_clear();
     }
+    let full = full.get().cloned();
     if mode == Mode::Write {
         let written = next.load(Relaxed).max(existing);
-        c.put(pool, meta.as_bytes(), written.to_string().as_bytes())?;
+        match c.put(pool, meta.as_bytes(), written.to_string().as_bytes()) {
+            Err(e) if full.is_some() => eprintln!(
+                "bench: the object count was not recorded ({e}): `bench seq|rand` on this pool \
+                 will not find these objects"
+            ),
+            r => {
+                r?;
+            }
+        }
     }
     let mut h = Histogram::<u64>::new_with_bounds(1, 600_000_000, 3).expect("bounds");
     for x in &hists {
@@ -304,6 +322,7 @@ pub fn bench(
         },
         ratio_vs_ceph: reference.map(|(v, u)| if u == "MB/s" { mb / v } else { iops / v }),
         memory: memory(c),
+        stopped_full: full,
     })
 }
 
@@ -322,6 +341,12 @@ pub fn print(r: &BenchResult) {
         );
     }
     println!("      {}", memory_line(&r.memory));
+    if let Some(e) = &r.stopped_full {
+        println!(
+            "      stopped after {:.1} s: the cluster is full ({e}); the figures cover the run until then. Use larger devices (`cluster up --device-size`) or fewer --seconds",
+            r.seconds
+        );
+    }
 }
 
 pub fn run(mode: Mode, a: ClusterBenchArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
