@@ -777,8 +777,16 @@ impl<D: BlockDevice> Committer<D> {
         let segments = bytes.saturating_sub(here).div_ceil(usable);
         // Keep room for a checkpoint: without one, segments the cleaner emptied stay pinned.
         let ckpt = (self.sh.index.len() as u64 * 160).div_ceil(usable) + 1;
+        // Removes only free space (each costs a small tombstone record): they may use the
+        // reserve down to one segment above the cleaner's floor, so a full store can still be
+        // emptied (a deleted pool's keys, strays) instead of refusing the very transactions
+        // that make room.
+        let removes_only =
+            !txn.muts.is_empty() && txn.muts.iter().all(|m| matches!(m.op, MutOp::Remove));
         let floor = if txn.background {
             ckpt
+        } else if removes_only {
+            ckpt + 1
         } else {
             segs.reserve.max(ckpt + 2)
         };

@@ -104,3 +104,72 @@ fn churn_at_90_percent_full_stays_bounded() {
     assert_eq!(r.objects as usize, count);
     assert!(s.scrub().corrupt.is_empty());
 }
+
+/// A store full of live data refuses writes but still takes removes, even when the removes
+/// need a segment from the reserve (the log head is full) — a full node must be able to drop
+/// a deleted pool's keys — and afterwards takes writes again.
+#[test]
+fn a_full_store_takes_removes_and_then_writes_again() {
+    let dev = SimDevice::new(
+        SimConfig {
+            capacity_blocks: 32 * 256,
+            ..SimConfig::default()
+        },
+        0xf011,
+    );
+    let opts = MkfsOptions {
+        segment_bytes: 1 << 20,
+        ..mkfs_opts()
+    };
+    mkfs(&dev, &opts).unwrap();
+    let config = StoreConfig {
+        cleaner: false,
+        ..StoreConfig::default()
+    };
+    let (s, _) = Store::open(dev.clone(), Some(FSID), config).unwrap();
+    let full = |r: nvstore_store::Result<u64>| match r {
+        Ok(_) => false,
+        Err(nvstore_store::StoreError::OutOfSpace { .. }) => true,
+        Err(e) => panic!("{e}"),
+    };
+    // 60 KiB objects until one does not fit, then empty ones until not even a record fits:
+    // the free segments are down to the floor kept for writes, and the log head is full.
+    let obj = 60 << 10;
+    let mut n = 0usize;
+    while !full(s.write_full(&key(&format!("o{n}")), &data(n as u64, obj))) {
+        n += 1;
+        assert!(n < 10_000, "a 32 MiB store never filled");
+    }
+    let mut e = 0usize;
+    while !full(s.write_full(&key(&format!("e{e}")), &[])) {
+        e += 1;
+        assert!(e < 100_000, "empty objects never filled the log head");
+    }
+    let space = s.space();
+    eprintln!(
+        "full after {n} objects and {e} empty ones: {} of {} segments free, reserve {}",
+        space.segments_free, space.segments_total, space.segments_reserve
+    );
+    for group in (0..n).collect::<Vec<_>>().chunks(16) {
+        let mut t = nvstore_store::Transaction::new();
+        for &i in group {
+            t.remove(key(&format!("o{i}")));
+        }
+        s.commit(t)
+            .unwrap_or_else(|err| panic!("removes of o{}..: {err}", group[0]));
+    }
+    assert_eq!(s.list(1, None, usize::MAX).len(), e);
+    // With the cleaner (and the checkpoint that releases dead segments), the space comes back.
+    drop(s);
+    let (s, _) = Store::open(dev.clone(), Some(FSID), StoreConfig::default()).unwrap();
+    for i in 0..n / 2 {
+        s.write_full(&key(&format!("p{i}")), &data(100 + i as u64, obj))
+            .unwrap_or_else(|err| panic!("write p{i} after the removes: {err}"));
+    }
+    for i in 0..n / 2 {
+        assert_eq!(
+            s.read_vec(&key(&format!("p{i}")), 0, obj as u64).unwrap(),
+            data(100 + i as u64, obj)
+        );
+    }
+}
