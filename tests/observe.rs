@@ -603,47 +603,31 @@ fn runtime_config_changes_a_running_node(h: &Harness) {
     let v = c.config(3, Some(("slow_op_ms", "2500"))).unwrap();
     assert_eq!(v["slow_op_ms"], 2500, "{v}");
     assert_eq!(c.slow_ops(3).unwrap()["threshold_ms"], 2500);
-    let e = c
-        .config(3, Some(("cache_bytes", "1")))
-        .unwrap_err()
-        .to_string();
+    // A setting the node refuses: the error text.
+    let refused = |key: &str, value: &str| c.config(3, Some((key, value))).unwrap_err().to_string();
+    let e = refused("cache_bytes", "1");
     assert!(
         e.contains("no runtime setting") && e.contains("read_coalescing"),
         "{e}"
     );
-    let e = c
-        .config(3, Some(("read_coalescing", "maybe")))
-        .unwrap_err()
-        .to_string();
+    let e = refused("read_coalescing", "maybe");
     assert!(e.contains("expected true or false"), "{e}");
-    let e = c
-        .config(3, Some(("slow_op_ms", "-4")))
-        .unwrap_err()
-        .to_string();
+    let e = refused("slow_op_ms", "-4");
     assert!(e.contains("expected milliseconds"), "{e}");
     assert_eq!(v["inject_write_delay_ms"], 0, "fault injection is off: {v}");
-    let e = c
-        .config(3, Some(("inject_write_delay_ms", "soon")))
-        .unwrap_err()
-        .to_string();
+    let e = refused("inject_write_delay_ms", "soon");
     assert!(e.contains("expected milliseconds"), "{e}");
     assert_eq!(
         v["inject_shard_apply_delay_ms"], 0,
         "fault injection is off: {v}"
     );
-    let e = c
-        .config(3, Some(("inject_shard_apply_delay_ms", "1.5")))
-        .unwrap_err()
-        .to_string();
+    let e = refused("inject_shard_apply_delay_ms", "1.5");
     assert!(e.contains("expected milliseconds"), "{e}");
     assert_eq!(
         v["inject_drop_staged"], false,
         "fault injection is off: {v}"
     );
-    let e = c
-        .config(3, Some(("inject_drop_staged", "sometimes")))
-        .unwrap_err()
-        .to_string();
+    let e = refused("inject_drop_staged", "sometimes");
     assert!(e.contains("expected true or false"), "{e}");
     let v = c.config(3, None).unwrap();
     assert_eq!(v["inject_write_delay_ms"], 0, "{v}");
