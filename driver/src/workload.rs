@@ -167,6 +167,12 @@ pub fn run<D: BlockDevice>(dev: &D, spec: &Spec) -> Result<Report> {
                     slot,
                     &mut started,
                 )?;
+                // Hand each request to the device at once, as fio does (one submission per
+                // IO): with DEFER_TASKRUN the same enter also posts finished completions, so
+                // the loop rarely sleeps. Batching the resubmissions into the next wait
+                // measured 0.83–0.88x of fio's IOPS against 0.95–1.05x this way (random
+                // 4 KiB reads, QD32).
+                q.kick()?;
             }
         }
     }

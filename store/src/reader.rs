@@ -109,7 +109,11 @@ impl<D: BlockDevice> Reader<D> {
             error: None,
         });
         self.waiting.push_back(slot);
-        self.submit_waiting()
+        self.submit_waiting()?;
+        // Hand the read to the device now rather than with the next poll: one system call
+        // per read (as fio makes), which with DEFER_TASKRUN also posts the completions that
+        // finished meanwhile. Random 4 KiB reads, 32 in flight: +8 to +14 % (see `kick`).
+        self.q.kick().map_err(Into::into)
     }
 
     /// Submit queued runs while the device queue has room.
