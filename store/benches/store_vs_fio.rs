@@ -4,7 +4,8 @@
 //! * 4 MiB write_full MB/s (4 and 16 writers) vs fio sequential O_DIRECT write, 4 MiB
 //!   blocks, QD4 and QD16, and the store's best against fio's best;
 //! * 4 KiB durable puts/s (32 writers) vs fio 4 KiB randwrite QD32 with fdatasync every 32;
-//! * 4 KiB reads/s (32 readers) vs fio 4 KiB randread QD32;
+//! * 4 KiB reads/s (32 reader threads, and one thread with 32 in flight) vs fio 4 KiB
+//!   randread QD32, with the driver's own loop on the same span as a third row;
 //! * restart time at 100 k and 1 M objects, with checkpoints vs without (full replay);
 //! * write amplification under churn (70 % full, random 64 KiB overwrites);
 //! * index bytes per object and peak RSS.
@@ -14,7 +15,8 @@
 //! `NVSTORE_BENCH_ONLY` (comma list of latency, writes, puts, reads, restart, churn),
 //! `NVSTORE_BENCH_PAIRS` (alternating store/fio pairs for the 4 MiB writes, default 3),
 //! `NVSTORE_BENCH_WRITERS` (the 4 MiB phase's store writer counts = fio queue depths, a comma
-//! list, default "4,16").
+//! list, default "4,16"), `NVSTORE_READ_BATCH` (completions the one-thread reader waits for
+//! per poll, default 4).
 //! Without `--bench` (cargo test) it runs a tiny smoke version.
 
 use std::path::{Path, PathBuf};
@@ -393,7 +395,7 @@ fn small_reads(path: &Path, size: u64, secs: f64, quick: bool) {
     let batch: usize = std::env::var("NVSTORE_READ_BATCH")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(8);
+        .unwrap_or(4);
     let many = {
         let mut r = s.reader().unwrap();
         let mut out = Vec::new();
@@ -440,6 +442,22 @@ fn small_reads(path: &Path, size: u64, secs: f64, quick: bool) {
     let disk = DiskPhase::start(path);
     let f = fio(path, Pattern::RandRead, 4096, 32, span, secs, &[]);
     let disk_fio = disk.and_then(|d| d.finish());
+    // Where the gap lies: the driver's own loop (one queue, 32 reads in flight, no store) on
+    // the same span of the same file, right after fio. What it misses of fio is the device
+    // path's; what the store's reader misses of it is the store's.
+    let raw = FileDevice::open(path, FileOptions::default())
+        .ok()
+        .and_then(|dev| {
+            let spec = Spec {
+                pattern: Pattern::RandRead,
+                io_bytes: 4096,
+                depth: 32,
+                span_bytes: span,
+                duration: Duration::from_secs_f64(secs),
+                seed: 3,
+            };
+            driver::workload::run(&dev, &spec).ok()
+        });
     // Reads warm caches under a virtual disk (the host's page cache): run ours again after
     // fio, and report the better of our two runs, so neither side gets the warm device alone.
     let (s, _) = Store::open(
@@ -484,6 +502,16 @@ fn small_reads(path: &Path, size: u64, secs: f64, quick: bool) {
         many,
         ratio(many, f.as_ref().map(|r| r.iops()))
     );
+    if let Some(r) = &raw {
+        println!(
+            "  driver loop, no store, 32 in flight {:>9.0} reads/s   ratio {} ({:.1} µs of CPU per \
+             read; the store's reader: {} of it)",
+            r.iops(),
+            ratio(r.iops(), f.as_ref().map(|r| r.iops())),
+            r.cpu_us_per_io,
+            ratio(many, Some(r.iops()))
+        );
+    }
     println!(
         "  fio randread QD32       {:>9.0} IOPS",
         f.as_ref().map_or(0.0, |r| r.iops())

@@ -17,6 +17,10 @@ use crate::{Shared, Store};
 
 /// How long `poll(wait = true)` waits for a completion before giving up on the device.
 const READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// Most device completions one `poll_min` takes beyond the `min` it waits for. One thread
+/// keeping 32 random 4 KiB reads in flight (three alternating runs each): 4 per call 0.92–0.97×
+/// fio's IOPS, all available (up to 32) 0.84–0.90×.
+const REAP_MAX: usize = 4;
 /// Device request tag: read slot in the high bits, run index in the low 16.
 const RUN_BITS: u32 = 16;
 
@@ -148,7 +152,8 @@ impl<D: BlockDevice> Reader<D> {
 
     /// Like [`poll`](Self::poll), waiting for at least `min` device completions (capped at
     /// what is in flight): batching completions cuts the syscalls and device notifications
-    /// per read when many reads are in flight.
+    /// per read when many reads are in flight. Takes at most `min.max(4)` completions per
+    /// call, so a caller that submits between polls keeps the device queue full.
     pub fn poll_min(&mut self, out: &mut Vec<(u64, Result<ReadBuf>)>, min: usize) -> Result<usize> {
         let before = out.len();
         // Reads of empty ranges (no runs) finish at once.
@@ -165,7 +170,11 @@ impl<D: BlockDevice> Reader<D> {
         } else {
             0
         };
-        let n = self.q.wait(&mut self.comps, min, READ_TIMEOUT)?;
+        // Reap a few completions per call (the rest wait in the completion queue, no system
+        // call needed for them): a caller that refills its reads between polls then
+        // resubmits within a few reads' work rather than after verifying all that finished.
+        let cap = min.max(REAP_MAX).min(self.comps.len());
+        let n = self.q.wait(&mut self.comps[..cap], min, READ_TIMEOUT)?;
         for k in 0..n {
             let c = std::mem::take(&mut self.comps[k]);
             let slot = (c.tag >> RUN_BITS) as usize;
