@@ -116,7 +116,8 @@ impl<D: BlockDevice> Reader<D> {
         self.submit_waiting()?;
         // Hand the read to the device now rather than with the next poll: one system call
         // per read (as fio makes), which with DEFER_TASKRUN also posts the completions that
-        // finished meanwhile. Random 4 KiB reads, 32 in flight: +8 to +14 % (see `kick`).
+        // finished meanwhile. One thread, 32 random 4 KiB reads in flight, four alternating
+        // pairs: median 119.2 k vs 116.5 k reads/s without it.
         self.q.kick().map_err(Into::into)
     }
 
