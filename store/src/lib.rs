@@ -148,7 +148,7 @@ pub(crate) struct Shared<D: BlockDevice> {
     pub index: Index,
     pub segs: Mutex<space::Segments>,
     pub stats: stats::Stats,
-    pub read_queues: thread_local::ThreadLocal<RefCell<Option<D::Queue>>>,
+    pub read_queues: thread_local::ThreadLocal<RefCell<read::ThreadRead<D::Queue>>>,
     pub spare_queue: Mutex<Option<D::Queue>>,
     /// The last complete background scrub pass.
     pub last_scrub: Mutex<Option<ScrubReport>>,

@@ -138,6 +138,23 @@ impl ReadBuf {
     }
 }
 
+/// A thread's queue handle for synchronous reads, and the vectors of its last read.
+pub(crate) struct ThreadRead<Q> {
+    q: Option<Q>,
+    scratch: ReadScratch,
+}
+
+/// The vectors of a synchronous read (chunk refs, IO runs, per-ref locations, run buffers,
+/// completions), kept per thread for the next.
+#[derive(Default)]
+pub(crate) struct ReadScratch {
+    refs: Vec<ChunkRef>,
+    runs: Vec<(u64, u64)>,
+    loc: Vec<(usize, usize)>,
+    bufs: Vec<Option<DmaBuf>>,
+    comps: Vec<Completion>,
+}
+
 /// IO runs (disk offset, bytes), and per ref (run index, offset in the run).
 type RunPlan = (Vec<(u64, u64)>, Vec<(usize, usize)>);
 
@@ -146,18 +163,22 @@ pub(crate) type RefsRead = (Vec<DmaBuf>, Vec<(usize, usize)>);
 
 impl<D: BlockDevice> Shared<D> {
     /// Run `f` with this thread's queue handle (opened on first use), or the shared spare
-    /// queue when the device has no queue left for this thread.
-    pub(crate) fn with_queue<T>(&self, f: impl FnOnce(&mut D::Queue) -> T) -> T {
-        let cell = self
-            .read_queues
-            .get_or(|| std::cell::RefCell::new(self.dev.open_queue().ok()));
-        let mut q = cell.borrow_mut();
-        match q.as_mut() {
-            Some(q) => f(q),
+    /// queue when the device has no queue left for this thread, and the thread's read
+    /// vectors.
+    pub(crate) fn with_queue<T>(&self, f: impl FnOnce(&mut D::Queue, &mut ReadScratch) -> T) -> T {
+        let cell = self.read_queues.get_or(|| {
+            std::cell::RefCell::new(ThreadRead {
+                q: self.dev.open_queue().ok(),
+                scratch: ReadScratch::default(),
+            })
+        });
+        let mut t = cell.borrow_mut();
+        let t = &mut *t;
+        match t.q.as_mut() {
+            Some(q) => f(q, &mut t.scratch),
             None => {
-                drop(q);
                 let mut spare = self.spare_queue.lock().unwrap();
-                f(spare.as_mut().expect("spare queue"))
+                f(spare.as_mut().expect("spare queue"), &mut t.scratch)
             }
         }
     }
@@ -230,55 +251,70 @@ impl<D: BlockDevice> Shared<D> {
     /// the queue depth. On an error the remaining reads are still drained, so the thread's
     /// queue is left idle.
     fn read_runs(&self, runs: &[(u64, u64)]) -> Result<Vec<DmaBuf>> {
-        let block = self.layout.block;
-        let mut bufs: Vec<Option<DmaBuf>> = (0..runs.len()).map(|_| None).collect();
-        self.with_queue(|q| -> Result<()> {
-            let mut comps: Vec<Completion> = (0..8).map(|_| Completion::default()).collect();
-            let mut next = 0;
-            let mut error = None;
-            while next < runs.len() || q.in_flight() > 0 {
-                while error.is_none() && next < runs.len() && q.in_flight() < q.depth() {
-                    let (off, len) = runs[next];
-                    let submitted = self
-                        .dev
-                        .alloc_read_buf(len as usize)
-                        .map_err(Into::into)
-                        .and_then(|buf| {
-                            let req = Request::read(
-                                off / block,
-                                (len / block) as u32,
-                                buf,
-                                0,
-                                next as u64,
-                            );
-                            q.submit(req).map_err(|e| e.into_error(&self.name).into())
-                        });
-                    if let Err(e) = submitted {
-                        error = Some(e);
-                        break;
-                    }
-                    next += 1;
-                }
-                if error.is_some() && q.in_flight() == 0 {
-                    break;
-                }
-                let n = q.wait(&mut comps, 1, READ_TIMEOUT)?;
-                for c in &mut comps[..n] {
-                    let c = std::mem::take(c);
-                    match c.result {
-                        Ok(()) => bufs[c.tag as usize] = c.buf,
-                        Err(e) => {
-                            error.get_or_insert(e.into());
-                        }
-                    }
-                }
-            }
-            error.map_or(Ok(()), Err)
-        })?;
+        let mut bufs = Vec::new();
+        self.with_queue(|q, s| self.read_runs_into(q, &mut s.comps, runs, &mut bufs))?;
         Ok(bufs
             .into_iter()
             .map(|b| b.expect("every run completed"))
             .collect())
+    }
+
+    /// [`Shared::read_runs`] on `q`, into `bufs` (one per run; cleared first), reaping into
+    /// `comps`: with vectors the caller keeps, a read allocates nothing.
+    fn read_runs_into(
+        &self,
+        q: &mut D::Queue,
+        comps: &mut Vec<Completion>,
+        runs: &[(u64, u64)],
+        bufs: &mut Vec<Option<DmaBuf>>,
+    ) -> Result<()> {
+        let block = self.layout.block;
+        bufs.clear();
+        bufs.resize_with(runs.len(), || None);
+        if comps.is_empty() {
+            comps.resize_with(8, Completion::default);
+        }
+        let mut next = 0;
+        let mut error = None;
+        while next < runs.len() || q.in_flight() > 0 {
+            while error.is_none() && next < runs.len() && q.in_flight() < q.depth() {
+                let (off, len) = runs[next];
+                let submitted = self
+                    .dev
+                    .alloc_read_buf(len as usize)
+                    .map_err(Into::into)
+                    .and_then(|buf| {
+                        let req =
+                            Request::read(off / block, (len / block) as u32, buf, 0, next as u64);
+                        q.submit(req).map_err(|e| e.into_error(&self.name).into())
+                    });
+                if let Err(e) = submitted {
+                    error = Some(e);
+                    break;
+                }
+                next += 1;
+            }
+            if error.is_some() && q.in_flight() == 0 {
+                break;
+            }
+            let n = q.wait(comps, 1, READ_TIMEOUT)?;
+            for c in &mut comps[..n] {
+                let c = std::mem::take(c);
+                match c.result {
+                    Ok(()) => bufs[c.tag as usize] = c.buf,
+                    Err(e) => {
+                        error.get_or_insert(e.into());
+                    }
+                }
+            }
+        }
+        match error {
+            Some(e) => {
+                bufs.clear();
+                Err(e)
+            }
+            None => Ok(()),
+        }
     }
 
     fn verify_refs(
@@ -418,6 +454,17 @@ impl<D: BlockDevice> Shared<D> {
         loc: &[(usize, usize)],
         bufs: &mut [Option<DmaBuf>],
     ) -> Result<ReadBuf> {
+        self.verify_runs(refs, loc, bufs)?;
+        Ok(self.assemble(m, offset, end, first, refs, loc, bufs))
+    }
+
+    /// Check every chunk's CRC-32C where its run buffer holds it.
+    fn verify_runs(
+        &self,
+        refs: &[ChunkRef],
+        loc: &[(usize, usize)],
+        bufs: &[Option<DmaBuf>],
+    ) -> Result<()> {
         for (r, &(b, at)) in refs.iter().zip(loc) {
             if b == usize::MAX {
                 continue;
@@ -428,7 +475,7 @@ impl<D: BlockDevice> Shared<D> {
                 return Err(self.corrupted("object chunk", r, found));
             }
         }
-        Ok(self.assemble(m, offset, end, first, refs, loc, bufs))
+        Ok(())
     }
 
     /// Read a range of the object `m` (the index entry of `key`) from the device. With
@@ -441,41 +488,52 @@ impl<D: BlockDevice> Shared<D> {
         len: u64,
         fill: bool,
     ) -> Result<ReadBuf> {
-        let (refs, first, end) = self.refs_for(m, offset, len);
-        let wanted = end.saturating_sub(offset);
-        let chunk_bytes: u64 = refs.iter().map(|r| r.len.get() as u64).sum();
-        let fill = self.cache.as_ref().filter(|c| {
-            fill && c.enabled()
-                && wanted <= ADMIT_READ_BYTES
-                && chunk_bytes <= ADMIT_WASTE_FACTOR * wanted.max(ADMIT_SMALL_BYTES)
-                && refs.iter().all(|r| r.len.get() <= ADMIT_CHUNK_BYTES)
-        });
-        // Sampled before the read: see the cache module on why that makes an entry exact.
-        let gens: Vec<u32> = match fill {
-            Some(c) => refs
-                .iter()
-                .map(|r| match r.len.get() {
-                    0 => 0,
-                    _ => c.gen(self.layout.segment_of(r.offset.get())),
-                })
-                .collect(),
-            None => Vec::new(),
-        };
-        let (bufs, loc) = self.read_refs(&refs, "object chunk")?;
-        if let Some(c) = fill {
-            c.miss();
-            if !self.moved(key, m) {
-                for ((r, &(b, at)), gen) in refs.iter().zip(&loc).zip(gens) {
-                    if b != usize::MAX {
-                        let mut v = Vec::with_capacity(r.len.get() as usize);
-                        bufs[b].append_to(at, r.len.get() as usize, &mut v);
-                        c.insert(r, gen, v);
+        // The thread's vectors of its last read: a read allocates none of its own (the node
+        // serves every read from its op threads through here).
+        self.with_queue(|q, s| {
+            let (first, end) = self.refs_into(m, offset, len, &mut s.refs);
+            let refs = &s.refs;
+            let wanted = end.saturating_sub(offset);
+            let chunk_bytes: u64 = refs.iter().map(|r| r.len.get() as u64).sum();
+            let fill = self.cache.as_ref().filter(|c| {
+                fill && c.enabled()
+                    && wanted <= ADMIT_READ_BYTES
+                    && chunk_bytes <= ADMIT_WASTE_FACTOR * wanted.max(ADMIT_SMALL_BYTES)
+                    && refs.iter().all(|r| r.len.get() <= ADMIT_CHUNK_BYTES)
+            });
+            // Sampled before the read: see the cache module on why that makes an entry exact.
+            let gens: Vec<u32> = match fill {
+                Some(c) => refs
+                    .iter()
+                    .map(|r| match r.len.get() {
+                        0 => 0,
+                        _ => c.gen(self.layout.segment_of(r.offset.get())),
+                    })
+                    .collect(),
+                None => Vec::new(),
+            };
+            self.plan_runs_into(refs, &mut s.runs, &mut s.loc);
+            self.read_runs_into(q, &mut s.comps, &s.runs, &mut s.bufs)?;
+            if let Err(e) = self.verify_runs(refs, &s.loc, &s.bufs) {
+                s.bufs.clear();
+                return Err(e);
+            }
+            if let Some(c) = fill {
+                c.miss();
+                if !self.moved(key, m) {
+                    for ((r, &(b, at)), gen) in refs.iter().zip(&s.loc).zip(gens) {
+                        if let Some(buf) = s.bufs.get(b).and_then(Option::as_ref) {
+                            let mut v = Vec::with_capacity(r.len.get() as usize);
+                            buf.append_to(at, r.len.get() as usize, &mut v);
+                            c.insert(r, gen, v);
+                        }
                     }
                 }
             }
-        }
-        let mut bufs: Vec<Option<DmaBuf>> = bufs.into_iter().map(Some).collect();
-        Ok(self.assemble(m, offset, end, first, &refs, &loc, &mut bufs))
+            let out = self.assemble(m, offset, end, first, refs, &s.loc, &mut s.bufs);
+            s.bufs.clear();
+            Ok(out)
+        })
     }
 
     /// A small read of the object `m` served from the read cache, if every chunk it needs is

@@ -1,7 +1,9 @@
-//! A read through a thread's `Reader` allocates nothing of its own once the reader is warm:
-//! its chunk refs, runs and buffer slots reuse the vectors of finished reads, and a one-part
-//! result keeps its part and chunk CRC inline. (The IO hot path standard: a node's op threads
-//! serve reads through readers.) This binary counts every allocation with a global allocator.
+//! A read allocates nothing of its own once its thread is warm: through a `Reader`, its chunk
+//! refs, runs and buffer slots reuse the vectors of finished reads; through `Store::read`
+//! (what a node's op threads call), the thread's vectors of its last read; and a one-part
+//! result keeps its part and chunk CRC inline (the IO hot path standard). This binary counts
+//! every allocation with a global allocator; its one test runs the two paths in turn, so no
+//! other test's allocations are counted.
 
 mod common;
 
@@ -40,7 +42,7 @@ unsafe impl GlobalAlloc for Counting {
 static A: Counting = Counting;
 
 #[test]
-fn a_warm_reader_allocates_nothing_per_read() {
+fn a_warm_read_allocates_nothing() {
     // A file device, as a node's: the simulated device copies each read through a vector.
     // /var/tmp, not /tmp: tmpfs refuses O_DIRECT.
     let dir = tempfile::tempdir_in("/var/tmp").unwrap();
@@ -83,4 +85,23 @@ fn a_warm_reader_allocates_nothing_per_read() {
     let per_read = (ALLOCS.load(Relaxed) - before) as f64 / 4096.0;
     eprintln!("{per_read:.2} allocations per read");
     assert!(per_read < 0.5, "{per_read:.2} allocations per 4 KiB read");
+
+    // The synchronous path: one read at a time on the thread's own queue.
+    let sync = |n: usize| {
+        for i in 0..n {
+            let b = s.read(&keys[i % keys.len()], 0, 4096).unwrap();
+            assert_eq!(b.len(), 4096);
+            assert_eq!(b.chunk_crcs.len(), 1);
+            assert_eq!(b.chunk_crcs[0].1, crc32c::crc32c(&d[..4096]));
+        }
+    };
+    sync(256);
+    let before = ALLOCS.load(Relaxed);
+    sync(4096);
+    let per_read = (ALLOCS.load(Relaxed) - before) as f64 / 4096.0;
+    eprintln!("{per_read:.2} allocations per synchronous read");
+    assert!(
+        per_read < 0.5,
+        "{per_read:.2} allocations per synchronous 4 KiB read"
+    );
 }
