@@ -513,8 +513,9 @@ impl<D: BlockDevice> Shared<D> {
                 None => Vec::new(),
             };
             self.plan_runs_into(refs, &mut s.runs, &mut s.loc);
-            self.read_runs_into(q, &mut s.comps, &s.runs, &mut s.bufs)?;
-            if let Err(e) = self.verify_runs(refs, &s.loc, &s.bufs) {
+            let read = self.read_runs_into(q, &mut s.comps, &s.runs, &mut s.bufs);
+            if let Err(e) = read.and_then(|()| self.verify_runs(refs, &s.loc, &s.bufs)) {
+                // No buffer of a failed read stays with the thread.
                 s.bufs.clear();
                 return Err(e);
             }
