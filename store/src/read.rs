@@ -201,7 +201,7 @@ impl<D: BlockDevice> Shared<D> {
     pub(crate) fn read_refs(&self, refs: &[ChunkRef], what: &'static str) -> Result<RefsRead> {
         let (runs, loc) = self.plan_runs(refs);
         let bufs = self.read_runs(&runs)?;
-        self.verify_refs(refs, &bufs, &loc, what)?;
+        self.verify_refs(refs, &loc, what, |b| &bufs[b])?;
         Ok((bufs, loc))
     }
 
@@ -317,18 +317,19 @@ impl<D: BlockDevice> Shared<D> {
         }
     }
 
-    fn verify_refs(
+    /// Check each chunk's CRC-32C where `buf(b)`, its run's buffer, holds it (holes skipped).
+    fn verify_refs<'a>(
         &self,
         refs: &[ChunkRef],
-        bufs: &[DmaBuf],
         loc: &[(usize, usize)],
         what: &'static str,
+        buf: impl Fn(usize) -> &'a DmaBuf,
     ) -> Result<()> {
         for (r, &(b, at)) in refs.iter().zip(loc) {
             if b == usize::MAX {
                 continue;
             }
-            let found = bufs[b].crc32c(0, at, r.len.get() as usize);
+            let found = buf(b).crc32c(0, at, r.len.get() as usize);
             if found != r.crc.get() {
                 return Err(self.corrupted(what, r, found));
             }
@@ -458,24 +459,16 @@ impl<D: BlockDevice> Shared<D> {
         Ok(self.assemble(m, offset, end, first, refs, loc, bufs))
     }
 
-    /// Check every chunk's CRC-32C where its run buffer holds it.
+    /// [`Shared::verify_refs`] of an object's chunks over run buffers still in their slots.
     fn verify_runs(
         &self,
         refs: &[ChunkRef],
         loc: &[(usize, usize)],
         bufs: &[Option<DmaBuf>],
     ) -> Result<()> {
-        for (r, &(b, at)) in refs.iter().zip(loc) {
-            if b == usize::MAX {
-                continue;
-            }
-            let buf = bufs[b].as_ref().expect("run buffer present");
-            let found = buf.crc32c(0, at, r.len.get() as usize);
-            if found != r.crc.get() {
-                return Err(self.corrupted("object chunk", r, found));
-            }
-        }
-        Ok(())
+        self.verify_refs(refs, loc, "object chunk", |b| {
+            bufs[b].as_ref().expect("run buffer present")
+        })
     }
 
     /// Read a range of the object `m` (the index entry of `key`) from the device. With
@@ -625,21 +618,7 @@ impl<D: BlockDevice> Shared<D> {
             let (key, off, len) = &reqs[i];
             let refs = &all[at..at + n];
             let locs = &loc[at..at + n];
-            let verified = {
-                let mut ok = Ok(());
-                for (r, &(b, pos)) in refs.iter().zip(locs) {
-                    if b == usize::MAX {
-                        continue;
-                    }
-                    let buf = bufs[b].as_ref().expect("run buffer present");
-                    let found = buf.crc32c(0, pos, r.len.get() as usize);
-                    if found != r.crc.get() {
-                        ok = Err(self.corrupted("object chunk", r, found));
-                        break;
-                    }
-                }
-                ok
-            };
+            let verified = self.verify_runs(refs, locs, &bufs);
             match verified {
                 Ok(()) => {
                     let rb = self.assemble(&m, *off, end, first, refs, locs, &mut bufs);
