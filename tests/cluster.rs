@@ -709,8 +709,9 @@ fn client_encoded_writes_read_back_whole_and_degraded_and_fall_back_when_a_shard
 
 /// A cluster whose devices fill up refuses the write that does not fit with `NoSpace` and the
 /// full device named — at once, not after waiting for min_size and then calling it degraded —
-/// keeps serving everything it acknowledged (`bench write` stops there and says why), and
-/// takes writes again once the full pool is deleted.
+/// keeps serving everything it acknowledged (`bench write` stops there and says why), takes
+/// removes of objects and writes in the space they free, and takes writes again once the full
+/// pool is deleted.
 #[test]
 fn a_full_cluster_refuses_writes_with_no_space_keeps_serving_and_recovers_when_its_pool_goes() {
     let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -761,6 +762,24 @@ fn a_full_cluster_refuses_writes_with_no_space_keeps_serving_and_recovers_when_i
     let why = r.stopped_full.as_deref().unwrap_or_default();
     assert!(why.contains("out of space"), "{r:?}");
     assert!(r.seconds < 60.0 && r.errors > 0, "{r:?}");
+    // The full cluster takes removes of objects (each member keeps a removed shard's bytes
+    // under its tombstone, writing no copy of them, until the primary settles the remove and
+    // they go), and the space a third of them frees takes writes again.
+    let (gone, kept) = kept.split_at(kept.len() / 3);
+    for (name, _) in gone {
+        c.remove(pool, name.as_bytes())
+            .unwrap_or_else(|e| panic!("remove of {name} on the full cluster: {e}"));
+    }
+    let data = bytes(9000, 1 << 20);
+    common::wait_until("a write fits once objects are removed", || {
+        c.put(pool, b"after-removes", &data).is_ok()
+    });
+    assert!(c.get(pool, b"after-removes").unwrap() == data);
+    for (name, _) in gone {
+        let e = c.get(pool, name.as_bytes()).unwrap_err();
+        assert_eq!(status_of(&e), Some(Status::NotFound), "{name}: {e}");
+    }
+    common::read_all(c, pool, kept);
     // Deleting the pool gives the space back (its keys' removes are taken even by a store
     // below the floor it keeps for writes): a new pool takes writes again.
     c.delete_pool("full").unwrap();

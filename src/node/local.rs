@@ -924,14 +924,17 @@ impl Local {
     ) -> Result<ReadBuf> {
         let st = self.store(pool, pg);
         let key = ObjectKey::new(pool, name, shard);
-        let have = self.meta(st, &key)?.map_or(0, |m| m.version);
+        let meta = self.meta(st, &key)?;
+        let have = meta.map_or(0, |m| m.version);
         if have != version {
             return Err(Error::remote(
                 Status::VersionMismatch,
                 format!("shard {shard} holds version {have}, not {version}"),
             ));
         }
-        if len == 0 {
+        // A tombstone is empty (its old bytes, kept until the remove is settled, are not its
+        // content).
+        if len == 0 || meta.is_some_and(|m| m.deleted) {
             return Ok(ReadBuf::default());
         }
         let r = if cached {
@@ -1018,12 +1021,20 @@ impl Local {
     /// Returns how many records were dropped.
     pub fn settle(&self, pool: u64, pg: u32, shard: u8, entries: &[(&[u8], u64)]) -> Result<u64> {
         let st = self.store(pool, pg);
-        let mut txns: Vec<(ObjectKey, u64, Option<ObjectKey>)> = Vec::new();
+        // Per entry: the shard, its store version, its spilled record, and — for a tombstone
+        // still holding the bytes it removed — the xattrs it keeps once they go.
+        type Settle = (
+            ObjectKey,
+            u64,
+            Option<ObjectKey>,
+            Option<BTreeMap<String, Vec<u8>>>,
+        );
+        let mut txns: Vec<Settle> = Vec::new();
         for &(name, version) in entries {
             let key = ObjectKey::new(pool, name, shard);
-            if self.meta(st, &key)?.map(|m| m.version) != Some(version) {
+            let Some(meta) = self.meta(st, &key)?.filter(|m| m.version == version) else {
                 continue;
-            }
+            };
             let (Ok(stat), Ok(rb)) = (st.stat(&key), st.get_xattr(&key, XATTR_RB)) else {
                 continue;
             };
@@ -1032,14 +1043,37 @@ impl Local {
             }
             let rb_key = ObjectKey::new(pool, name, shard | SHARD_ROLLBACK_BIT);
             let spill = st.exists(&rb_key).then_some(rb_key);
-            txns.push((key, stat.version, spill));
+            let kept = if meta.deleted && stat.size > 0 {
+                let Ok(mut all) = st.xattrs(&key) else {
+                    continue;
+                };
+                all.remove(XATTR_RB);
+                Some(all)
+            } else {
+                None
+            };
+            txns.push((key, stat.version, spill, kept));
         }
         let (tx, rx) = std::sync::mpsc::channel::<bool>();
         let mut started = 0;
-        for (key, store_version, spill) in txns {
+        for (key, store_version, spill, kept) in txns {
             let mut t = Transaction::new();
+            // It only frees space: a full store takes it, after any number of removes.
+            t.frees_space();
             t.assert_version(key.clone(), store_version);
-            t.rm_xattr(key, XATTR_RB);
+            match &kept {
+                // A settled remove: its old bytes go; the tombstone stays (with its metadata
+                // and request history) until its primary has it forgotten.
+                Some(all) => {
+                    t.replace(key.clone(), &[]);
+                    for (k, v) in all {
+                        t.set_xattr(key.clone(), k, v);
+                    }
+                }
+                None => {
+                    t.rm_xattr(key, XATTR_RB);
+                }
+            }
             if let Some(k) = spill {
                 t.remove(k);
             }
@@ -1075,6 +1109,7 @@ impl Local {
         if at_version {
             let store_version = st.stat(&key)?.version;
             let mut t = Transaction::new();
+            t.frees_space();
             t.assert_version(key.clone(), store_version);
             t.remove(key.clone());
             let rb_key = ObjectKey::new(pool, name, shard | SHARD_ROLLBACK_BIT);
@@ -1123,6 +1158,7 @@ impl Local {
         let mut started = 0;
         for (key, store_version, spill) in keys {
             let mut t = Transaction::new();
+            t.frees_space();
             t.assert_version(key.clone(), store_version);
             t.remove(key.clone());
             if let Some(k) = spill {
@@ -1239,10 +1275,29 @@ impl Local {
                 "only whole-shard writes are applied without a rollback record",
             ));
         }
+        // A remove leaves the shard's bytes where they are, under a tombstone's metadata, until
+        // its primary settles it (`settle` drops them): its rollback then only puts the
+        // metadata back, and the remove writes no copy of the old bytes — so a member whose
+        // store is full still takes it (a copy would need the space the remove is to free).
+        let cur_deleted = cur.is_some_and(|m| m.deleted);
+        let keep =
+            !settled && exists && w.kind == WriteKind::Full && w.meta.deleted && w.data.is_empty();
+        if w.kind == WriteKind::Range && cur_deleted {
+            return Err(Error::remote(
+                Status::Invalid,
+                format!(
+                    "shard {} is removed: a range write needs a whole shard",
+                    w.shard
+                ),
+            ));
+        }
         let restore = match (w.kind, exists) {
             (_, _) if settled => Restore::Nothing,
             (WriteKind::Meta, _) => Restore::Nothing,
+            _ if keep => Restore::Nothing,
             (_, false) => Restore::Remove,
+            // A tombstone's content is empty, whatever old bytes it still keeps.
+            (WriteKind::Full, true) if cur_deleted => Restore::Full(Vec::new()),
             (WriteKind::Full, true) => Restore::Full(st.read_vec(&key, 0, u64::MAX)?),
             (WriteKind::Range, true) => {
                 Restore::Range(w.offset, st.read_vec(&key, w.offset, w.data.len() as u64)?)
@@ -1284,7 +1339,22 @@ impl Local {
             _ => std::borrow::Cow::Borrowed(&[][..]),
         };
         let mut t = Transaction::new();
+        if w.meta.deleted && w.data.is_empty() {
+            // A remove: a tombstone's metadata, no copy of any bytes. A full store takes it.
+            t.makes_room();
+        }
         match w.kind {
+            // The bytes stay; every other xattr goes, as with a replace (the new metadata, the
+            // record and the request history are set below).
+            WriteKind::Full if keep => {
+                for k in old_user.keys() {
+                    t.rm_xattr(key.clone(), &format!("{USER_PREFIX}{k}"));
+                }
+                if st.exists(&rb_key) {
+                    // The bytes an earlier write's record spilled: no record refers to them now.
+                    t.remove(rb_key.clone());
+                }
+            }
             // A replace needs no index search to prepare or check: the shard's xattrs are
             // all set below, and whatever it held is released when the commit applies.
             WriteKind::Full => {
@@ -1333,7 +1403,7 @@ impl Local {
             Some(r) => {
                 t.set_xattr(key.clone(), XATTR_REQ, r);
             }
-            None if had_reqid && w.kind != WriteKind::Full => {
+            None if had_reqid && (w.kind != WriteKind::Full || keep) => {
                 t.rm_xattr(key.clone(), XATTR_REQ);
             }
             None => {}
@@ -1626,7 +1696,9 @@ impl Local {
                 ),
             ));
         }
-        let keep_rb = if cur == w.meta.version {
+        // Not a tombstone's: its record may say the bytes it kept are the content to restore
+        // (`Restore::Nothing`), and the repair writes none.
+        let keep_rb = if cur == w.meta.version && !w.meta.deleted {
             st.get_xattr(&key, XATTR_RB).ok()
         } else {
             None
@@ -2176,6 +2248,71 @@ mod store_tests {
         assert!(l.apply_settled(&range).is_err(), "whole shards only");
     }
 
+    /// A remove writes no copy of the shard (a full store takes it): the old bytes stay under
+    /// the tombstone, which reads as empty; a rollback puts back the metadata and xattrs over
+    /// them; `settle` drops them and keeps the tombstone. A write over a tombstone whose bytes
+    /// are still there keeps an empty shard for its own rollback, not those bytes.
+    #[test]
+    fn a_remove_keeps_the_old_bytes_in_place_until_it_is_settled() {
+        let (_d, l) = local();
+        let st = &l.stores[0];
+        let key = ObjectKey::new(1, b"obj", 2);
+        let spill = ObjectKey::new(1, b"obj", 2 | SHARD_ROLLBACK_BIT);
+        let big = vec![6u8; ROLLBACK_INLINE_BYTES_MAX * 4];
+        let remove = |v: u64| {
+            let mut rm = full(v, b"", &[]);
+            rm.meta.deleted = true;
+            rm.meta.size = 0;
+            rm
+        };
+        // An overwrite spills the first version; the remove after it drops that spill.
+        l.apply(&full(10, &big, &[("a", b"1")])).unwrap();
+        l.apply(&full(11, &big, &[("a", b"1"), ("b", b"2")]))
+            .unwrap();
+        assert!(st.exists(&spill));
+        let before = snapshot(&l);
+        let written = st.stats().device_bytes_written;
+        l.apply(&remove(12)).unwrap();
+        assert!(!st.exists(&spill), "no record refers to the old spill");
+        let wrote = st.stats().device_bytes_written - written;
+        assert!(
+            wrote < big.len() as u64 / 2,
+            "the remove wrote {wrote} bytes: a copy of the {} it removed",
+            big.len()
+        );
+        let (tomb, data) = snapshot(&l);
+        assert!(tomb.meta.unwrap().deleted && tomb.xattrs.is_empty());
+        assert_eq!(data, b"", "a tombstone reads as empty");
+        assert_eq!(st.read_vec(&key, 0, u64::MAX).unwrap(), big);
+        l.rollback(1, 3, b"obj", 2, 12).unwrap();
+        assert_eq!(snapshot(&l), before);
+        // Removed again, and settled: the bytes go, the tombstone stays and cannot be undone.
+        l.apply(&remove(13)).unwrap();
+        let live = st.space().live_bytes;
+        assert_eq!(l.settle(1, 3, 2, &[(b"obj", 13)]).unwrap(), 1);
+        assert!(st.space().live_bytes + big.len() as u64 <= live);
+        assert_eq!(st.stat(&key).unwrap().size, 0);
+        let (tomb, data) = snapshot(&l);
+        assert!(tomb.meta.unwrap().deleted && data.is_empty());
+        assert_eq!(tomb.meta.unwrap().version, 13);
+        assert!(l.rollback(1, 3, b"obj", 2, 13).is_err());
+        // A write over an unsettled tombstone, rolled back: the tombstone, empty.
+        l.apply(&full(14, &big, &[])).unwrap();
+        l.apply(&remove(15)).unwrap();
+        l.apply(&full(16, b"new", &[])).unwrap();
+        assert_eq!(snapshot(&l).1, b"new");
+        l.rollback(1, 3, b"obj", 2, 16).unwrap();
+        let (tomb, data) = snapshot(&l);
+        assert_eq!(tomb.meta.unwrap().version, 15);
+        assert!(tomb.meta.unwrap().deleted && data.is_empty());
+        assert_eq!(st.stat(&key).unwrap().size, 0);
+        // No range write lands on a tombstone's leftover bytes.
+        let mut range = full(17, b"R", &[]);
+        range.kind = WriteKind::Range;
+        range.base_version = 15;
+        assert_eq!(l.apply(&range).unwrap_err().status(), Status::Invalid);
+    }
+
     /// A tombstone goes only on its primary's word, only at the listed version and only
     /// under this member's mark of the same slot; once gone, the member's stat of the name
     /// reports its mark (the proof `resolve` uses). A leftover shard is dropped only at the
@@ -2193,8 +2330,8 @@ mod store_tests {
         l.apply(&rm).unwrap();
         let spill = ObjectKey::new(1, b"obj", 2 | SHARD_ROLLBACK_BIT);
         assert!(
-            st.exists(&spill),
-            "the remove keeps the old bytes for a rollback"
+            !st.exists(&spill) && st.read_vec(&key, 0, u64::MAX).unwrap() == big,
+            "the remove keeps the old bytes in place for a rollback"
         );
         let stat = l.stat(1, 3, b"obj", 2).unwrap();
         assert!(stat.meta.unwrap().deleted);

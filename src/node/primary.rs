@@ -1626,6 +1626,8 @@ impl Node {
         let mut failed_at = Instant::now();
         let mut attempted_epoch = 0u64;
         let mut last_err = String::new();
+        // The last failure was a member's full store (a remove waits it out: see below).
+        let mut no_space = false;
         let mut ctx_map = ctx.map.clone();
         let mut first_send = true;
         // Counts this write in `writes_held` until it returns, once injection held it.
@@ -1764,8 +1766,10 @@ impl Node {
                         // A member's store is full of live data (with anything for its
                         // cleaner to reclaim it waits instead): no retry within the write's
                         // wait can succeed, and the client should hear "out of space", not
-                        // a min_size wait that ends in "degraded".
-                        Err(e) if e.status() == Status::NoSpace => {
+                        // a min_size wait that ends in "degraded". A remove is retried
+                        // instead: the removes before it free space as their primaries settle
+                        // them (each member keeps a removed shard's bytes until then).
+                        Err(e) if e.status() == Status::NoSpace && !meta.deleted => {
                             return Err(Error::remote(
                                 Status::NoSpace,
                                 format!(
@@ -1777,6 +1781,7 @@ impl Node {
                             ))
                         }
                         Err(e) => {
+                            no_space = e.status() == Status::NoSpace;
                             last_err = format!("shard {slot}: {e}");
                             failed |= bit(slot);
                             failed_at = Instant::now();
@@ -1804,8 +1809,14 @@ impl Node {
                 } else {
                     String::new()
                 };
+                // A remove a full member kept refusing: say so.
+                let status = if no_space && waiting > 0 {
+                    Status::NoSpace
+                } else {
+                    Status::Degraded
+                };
                 return Err(Error::remote(
-                    Status::Degraded,
+                    status,
                     format!(
                         "write of {:?} not acknowledged after {:.1} s: {n_acked} of {} shards \
                          durable, min_size is {min_size}; nodes down: {down:?}{waited}. The \

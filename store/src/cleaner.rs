@@ -208,6 +208,7 @@ impl<D: BlockDevice> Cleaner<D> {
                     }),
                 }],
                 background: true,
+                room: crate::commit::Room::Normal,
             };
             let moved: u64 = m
                 .chunks

@@ -179,6 +179,21 @@ impl Mut {
 pub(crate) struct Prepared {
     pub muts: Vec<Mut>,
     pub background: bool,
+    /// How far into the reserve it may go.
+    pub room: Room,
+}
+
+/// How far into the store's reserve a foreground transaction may go (the cleaner's own
+/// relocations go furthest).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Room {
+    /// Keeps the reserve.
+    #[default]
+    Normal,
+    /// [`crate::Transaction::makes_room`]: down to one segment above the cleaner's floor.
+    Makes,
+    /// [`crate::Transaction::frees_space`]: down to the cleaner's floor.
+    Frees,
 }
 
 pub(crate) enum TxnResult {
@@ -783,9 +798,18 @@ impl<D: BlockDevice> Committer<D> {
         // that make room.
         let removes_only =
             !txn.muts.is_empty() && txn.muts.iter().all(|m| matches!(m.op, MutOp::Remove));
-        let floor = if txn.background {
+        // So may a small transaction its caller says makes room (a remove that keeps the old
+        // bytes until it is settled writes a tombstone's xattrs, not a remove record); one
+        // that only frees space (dropping what such removes kept) may go as far as the
+        // cleaner, so no number of removes leaves it no room.
+        let room = match txn.room {
+            Room::Normal => Room::Normal,
+            r if txn_bytes(txn) <= crate::txn::MAKES_ROOM_BYTES_MAX => r,
+            _ => Room::Normal,
+        };
+        let floor = if txn.background || room == Room::Frees {
             ckpt
-        } else if removes_only {
+        } else if removes_only || room == Room::Makes {
             ckpt + 1
         } else {
             segs.reserve.max(ckpt + 2)

@@ -53,7 +53,7 @@ pub use reader::Reader;
 pub use scrub::{CorruptChunk, ScrubReport};
 pub use space::SpaceReport;
 pub use stats::StatsSnapshot;
-pub use txn::{AsyncCommit, Transaction};
+pub use txn::{AsyncCommit, Transaction, MAKES_ROOM_BYTES_MAX};
 
 /// Tunables of an open store (the on-disk format fixes block, segment and chunk sizes).
 #[derive(Debug, Clone)]

@@ -61,6 +61,7 @@ enum Op<'a> {
 #[derive(Default)]
 pub struct Transaction<'a> {
     ops: Vec<(ObjectKey, Op<'a>)>,
+    room: crate::commit::Room,
 }
 
 impl<'a> Transaction<'a> {
@@ -157,7 +158,31 @@ impl<'a> Transaction<'a> {
         self.ops.push((key, Op::AssertAbsent));
         self
     }
+
+    /// Mark the transaction as one that makes room: a remove that writes a little metadata
+    /// (a node's remove: a tombstone whose old bytes stay until the remove is settled). Like a
+    /// transaction of removes only, it may then use the store's reserve down to one segment
+    /// above the cleaner's floor, so a full store still takes it. Only while its records and
+    /// data are small ([`MAKES_ROOM_BYTES_MAX`]); a bigger one is held to the floor every
+    /// write keeps.
+    pub fn makes_room(&mut self) -> &mut Self {
+        self.room = crate::commit::Room::Makes;
+        self
+    }
+
+    /// Mark the transaction as one that only frees space (the drop of bytes a settled remove
+    /// kept, the removal of tombstones): small ones may use the reserve down to the cleaner's
+    /// own floor, a segment below what [`Transaction::makes_room`] may use — so removes that
+    /// filled all the room they may use leave the drops of their bytes a segment of their own.
+    pub fn frees_space(&mut self) -> &mut Self {
+        self.room = crate::commit::Room::Frees;
+        self
+    }
 }
+
+/// The most a [`Transaction::makes_room`] or [`Transaction::frees_space`] may write (records,
+/// xattr maps, data) to be let into the reserve.
+pub const MAKES_ROOM_BYTES_MAX: u64 = 64 << 10;
 
 /// The prepared state of one object.
 enum Chunk {
@@ -637,6 +662,7 @@ impl<D: BlockDevice> Shared<D> {
         Ok(Prepared {
             muts,
             background: false,
+            room: crate::commit::Room::Normal,
         })
     }
 }
@@ -660,7 +686,7 @@ impl<D: BlockDevice + 'static> Store<D> {
         let tx = self.user_tx.as_ref().ok_or(StoreError::Closed)?;
         for _ in 0..CONFLICT_RETRIES_MAX {
             let mut seen = Vec::new();
-            let prepared = match self.sh.prepare(&txn.ops, &mut seen) {
+            let mut prepared = match self.sh.prepare(&txn.ops, &mut seen) {
                 Err(StoreError::Corrupted { .. }) if self.sh.any_moved(&seen) => {
                     // A read for the preparation raced with the cleaner moving the object.
                     self.sh.stats.txn_conflicts.inc();
@@ -668,6 +694,7 @@ impl<D: BlockDevice + 'static> Store<D> {
                 }
                 other => other?,
             };
+            prepared.room = txn.room;
             if prepared.muts.is_empty() {
                 return Ok(self.sh.stats.next_op_seq.get().saturating_sub(1));
             }
@@ -712,6 +739,7 @@ impl<D: BlockDevice + 'static> Store<D> {
                 other => break other?,
             }
         };
+        prepared.room = txn.room;
         if prepared.muts.is_empty() {
             done(AsyncCommit::Durable(
                 self.sh.stats.next_op_seq.get().saturating_sub(1),

@@ -150,6 +150,65 @@ fn a_full_store_takes_removes_and_then_writes_again() {
         "full after {n} objects and {e} empty ones: {} of {} segments free, reserve {}",
         space.segments_free, space.segments_total, space.segments_reserve
     );
+    // Neither a small metadata change nor a write that says it makes room but is not small
+    // gets in; a small one that says so does (a node's remove: a tombstone's xattrs and a log
+    // entry, the old bytes kept until the remove is settled), and so do the drops of the old
+    // bytes that follow such removes, even once removes fill all the room they may use.
+    let mut t = nvstore_store::Transaction::new();
+    t.set_xattr(key("o0"), "tomb", b"1");
+    assert!(full(s.commit(t)), "a plain metadata change on a full store");
+    let big = data(7, nvstore_store::MAKES_ROOM_BYTES_MAX as usize + 4096);
+    let mut t = nvstore_store::Transaction::new();
+    t.makes_room().write_full(key("room"), &big);
+    assert!(full(s.commit(t)), "a big write that says it makes room");
+    let mut t = nvstore_store::Transaction::new();
+    t.makes_room()
+        .set_xattr(key("o0"), "tomb", b"1")
+        .replace(key("log-o0"), &[]);
+    s.commit(t).expect("a small transaction that makes room");
+    assert_eq!(s.get_xattr(&key("o0"), "tomb").unwrap(), b"1");
+    assert_eq!(
+        s.read_vec(&key("o0"), 0, obj as u64).unwrap(),
+        data(0, obj),
+        "the tombstone keeps the old bytes until it is settled"
+    );
+    // Tombstones until not even they fit: the steps that free their bytes still do.
+    let mut tombs = 1usize;
+    loop {
+        let mut t = nvstore_store::Transaction::new();
+        t.makes_room()
+            .set_xattr(key(&format!("o{tombs}")), "tomb", b"1")
+            .replace(key(&format!("log-o{tombs}")), &[]);
+        if full(s.commit(t)) {
+            break;
+        }
+        tombs += 1;
+        assert!(
+            tombs < n,
+            "{tombs} tombstones never filled the room they may use"
+        );
+    }
+    // A drop costs about what its tombstone did (a record and an xattr block); the drops get
+    // a segment more than the tombstones had (the head's rest and one), so at least half of
+    // them fit with the cleaner off. With it on, the bytes they free come back (below).
+    let mut dropped = 0usize;
+    for i in 0..tombs {
+        let mut t = nvstore_store::Transaction::new();
+        t.frees_space()
+            .replace(key(&format!("o{i}")), &[])
+            .set_xattr(key(&format!("o{i}")), "tomb", b"1")
+            .remove(key(&format!("log-o{i}")));
+        if full(s.commit(t)) {
+            break;
+        }
+        assert_eq!(s.stat(&key(&format!("o{i}"))).unwrap().size, 0);
+        dropped += 1;
+    }
+    assert!(
+        dropped * 2 >= tombs,
+        "{dropped} of {tombs} tombstones' bytes dropped"
+    );
+    eprintln!("{tombs} tombstones filled the room removes may use; {dropped} drops fit after");
     for group in (0..n).collect::<Vec<_>>().chunks(16) {
         let mut t = nvstore_store::Transaction::new();
         for &i in group {
