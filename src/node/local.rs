@@ -238,6 +238,20 @@ pub enum Restore {
     Full(Vec<u8>),
     /// Put back old bytes at an offset.
     Range(u64, Vec<u8>),
+    /// Put back the whole old shard, which the write moved to the rollback key (pool, name,
+    /// shard|0x80) by reference instead of copying it. Encoded as `Full` with its bytes
+    /// spilled there, and decoded as that.
+    Moved,
+}
+
+/// The store's rename partner of a shard key: its rollback key, and back (the shard id's top
+/// bit flipped; [`store::StoreConfig::alias`]). Internal keys (names starting with 0: PG log
+/// entries, marks) have none.
+pub fn rollback_partner(k: &ObjectKey) -> Option<ObjectKey> {
+    (k.name.first() != Some(&0)).then(|| ObjectKey {
+        shard: k.shard ^ SHARD_ROLLBACK_BIT,
+        ..k.clone()
+    })
 }
 
 /// A list of xattr changes: u32 count, then per entry name `str`, u8 present, value `bytes`
@@ -296,9 +310,13 @@ impl Rollback {
             Restore::Remove => (1, 0, &[]),
             Restore::Full(b) => (2, 0, b),
             Restore::Range(o, b) => (3, *o, b),
+            Restore::Moved => (2, 0, &[]),
         };
         e.u8(kind).u64(off);
-        if bytes.len() > ROLLBACK_INLINE_BYTES_MAX {
+        if self.restore == Restore::Moved {
+            // Already at the rollback key.
+            e.u8(1);
+        } else if bytes.len() > ROLLBACK_INLINE_BYTES_MAX {
             e.u8(1);
             *spill = Some(bytes.to_vec());
         } else {
@@ -1298,6 +1316,11 @@ impl Local {
             (_, false) => Restore::Remove,
             // A tombstone's content is empty, whatever old bytes it still keeps.
             (WriteKind::Full, true) if cur_deleted => Restore::Full(Vec::new()),
+            // A big old shard moves to the rollback key by reference (renamed below); a small
+            // one is copied into the record (no separate object to keep or drop).
+            (WriteKind::Full, true) if st.stat(&key)?.size > ROLLBACK_INLINE_BYTES_MAX as u64 => {
+                Restore::Moved
+            }
             (WriteKind::Full, true) => Restore::Full(st.read_vec(&key, 0, u64::MAX)?),
             (WriteKind::Range, true) => {
                 Restore::Range(w.offset, st.read_vec(&key, w.offset, w.data.len() as u64)?)
@@ -1358,6 +1381,11 @@ impl Local {
             // A replace needs no index search to prepare or check: the shard's xattrs are
             // all set below, and whatever it held is released when the commit applies.
             WriteKind::Full => {
+                if rb.restore == Restore::Moved {
+                    // The old shard becomes the rollback key (whatever that held goes), and
+                    // the new bytes replace it.
+                    t.rename(key.clone(), rb_key.clone());
+                }
                 let flat;
                 let parts: &[&[u8]] = match &w.data {
                     ShardData::Flat(d) => {
@@ -1541,6 +1569,8 @@ impl Local {
             Restore::Range(off, b) => {
                 t.write(key.clone(), *off, b);
             }
+            // Decoded as `Full` (its bytes read from the rollback key).
+            Restore::Moved => unreachable!("a decoded record is never Moved"),
         }
         let prev_bytes = rb.prev.map(|m| m.to_bytes());
         let names: Vec<(String, &Option<Vec<u8>>)> = rb
@@ -1962,7 +1992,11 @@ mod store_tests {
             },
         )
         .unwrap();
-        let (st, _) = Store::open(dev, None, StoreConfig::default()).unwrap();
+        let config = StoreConfig {
+            alias: Some(rollback_partner),
+            ..StoreConfig::default()
+        };
+        let (st, _) = Store::open(dev, None, config).unwrap();
         (dir, Local::new(vec![st]))
     }
 
@@ -2246,6 +2280,40 @@ mod store_tests {
         range.kind = WriteKind::Range;
         range.base_version = 16;
         assert!(l.apply_settled(&range).is_err(), "whole shards only");
+    }
+
+    /// An overwrite of a big shard keeps the old one for its rollback by moving it to the
+    /// rollback key (a store rename): nothing read, nothing copied. The rollback, and a
+    /// settle, work on it as on a copied one.
+    #[test]
+    fn an_overwrite_moves_the_old_shard_to_its_rollback_key_without_copying_it() {
+        let (_d, l) = local();
+        let st = &l.stores[0];
+        let spill = ObjectKey::new(1, b"obj", 2 | SHARD_ROLLBACK_BIT);
+        let old = vec![3u8; 1 << 20];
+        let new = vec![4u8; 1 << 20];
+        l.apply(&full(10, &old, &[("a", b"1")])).unwrap();
+        let before = snapshot(&l);
+        let (written, reads) = (st.stats().device_bytes_written, st.stats().reads);
+        l.apply(&full(11, &new, &[])).unwrap();
+        let wrote = st.stats().device_bytes_written - written;
+        assert!(
+            wrote < new.len() as u64 + (128 << 10),
+            "the overwrite wrote {wrote} bytes for a {} byte shard: the old one was copied",
+            new.len()
+        );
+        assert_eq!(st.stats().reads, reads, "the old shard was read");
+        assert_eq!(st.read_vec(&spill, 0, u64::MAX).unwrap(), old);
+        assert_eq!(snapshot(&l).1, new);
+        l.rollback(1, 3, b"obj", 2, 11).unwrap();
+        assert_eq!(snapshot(&l), before);
+        // Again, settled: the moved bytes go.
+        l.apply(&full(12, &new, &[])).unwrap();
+        let live = st.space().live_bytes;
+        assert_eq!(l.settle(1, 3, 2, &[(b"obj", 12)]).unwrap(), 1);
+        assert!(!st.exists(&spill));
+        assert!(st.space().live_bytes + old.len() as u64 <= live);
+        assert_eq!(snapshot(&l).1, new);
     }
 
     /// A remove writes no copy of the shard (a full store takes it): the old bytes stay under

@@ -994,6 +994,8 @@ fn open_devices(cfg: &NodeConfig, fsid: &[u8; 16]) -> Result<Vec<Store<FileDevic
         let config = StoreConfig {
             salvage: true,
             read_cache_bytes: cfg.read_cache_bytes,
+            // An overwrite moves the old shard to its rollback key (local.rs).
+            alias: Some(local::rollback_partner),
             ..StoreConfig::default()
         };
         let (st, report) = Store::open(dev, Some(*fsid), config)?;

@@ -1,5 +1,6 @@
 //! The cleaner: when free segments run low, pick a victim by cost-benefit, find its live
-//! chunks by walking its batches and checking each against the index, and relocate them
+//! chunks by walking its batches and checking each object they name, and its partner key
+//! (which a rename may have given the chunks), against the index, and relocate them
 //! through the commit thread, one transaction per object with up to 256 objects / 1 MiB in
 //! flight (the commit thread gives background work a bounded share of each round, so
 //! foreground IO is not stalled, and many small relocations share one device write). A relocation commits only if the object is still in
@@ -136,6 +137,11 @@ impl<D: BlockDevice> Cleaner<D> {
                 if let Ok(recs) = decode_records(meta, bh.record_count.get()) {
                     for r in recs {
                         if let Record::State { key, .. } | Record::Owner { key, .. } = r {
+                            // A chunk written here may since have been renamed to the key's
+                            // partner (`Transaction::rename`).
+                            if let Some(partner) = self.sh.config.alias.and_then(|a| a(&key)) {
+                                keys.insert(partner, ());
+                            }
                             keys.insert(key, ());
                         }
                     }

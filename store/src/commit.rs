@@ -1145,14 +1145,15 @@ impl<D: BlockDevice> Committer<D> {
         for a in accepted {
             {
                 let mut segs = self.sh.segs.lock().unwrap();
-                for (m, mu) in a.txn.muts.iter().enumerate() {
-                    // Count the new state before releasing the old: kept chunks must never
-                    // make their segment look empty (and get freed) in between.
-                    if let Some(new) = &a.new_metas[m] {
-                        for (seg, n) in new.chunks.iter().chain([&new.xattrs]).filter_map(live) {
-                            segs.add_live(seg, n, a.seq);
-                        }
+                // Count the new states before releasing the old: kept chunks must never make
+                // their segment look empty (and get freed) in between — a renamed object's
+                // chunks are released by one key and counted by another.
+                for new in a.new_metas.iter().flatten() {
+                    for (seg, n) in new.chunks.iter().chain([&new.xattrs]).filter_map(live) {
+                        segs.add_live(seg, n, a.seq);
                     }
+                }
+                for (m, mu) in a.txn.muts.iter().enumerate() {
                     if let Some(old) = &a.cur[m] {
                         for (seg, n) in old.chunks.iter().chain([&old.xattrs]).filter_map(live) {
                             segs.sub_live(seg, n);

@@ -82,6 +82,12 @@ pub struct StoreConfig {
     pub salvage: bool,
     /// Bytes of memory for the read cache of small reads ([`cache`]); 0: no cache.
     pub read_cache_bytes: u64,
+    /// Each key's partner for [`Transaction::rename`] (`None`: the key has none). It must be
+    /// an involution: `alias(a) == Some(b)` exactly when `alias(b) == Some(a)`. A renamed
+    /// chunk stays where the key that wrote it put it; the cleaner finds a segment's objects
+    /// by the keys that wrote there, so it looks at each one's partner too. `None` here: no
+    /// renames.
+    pub alias: Option<fn(&ObjectKey) -> Option<ObjectKey>>,
 }
 
 /// When and how fast the background scrub runs.
@@ -102,6 +108,7 @@ impl Default for StoreConfig {
             scrub: None,
             salvage: false,
             read_cache_bytes: 0,
+            alias: None,
         }
     }
 }

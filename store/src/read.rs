@@ -697,13 +697,18 @@ impl<D: BlockDevice> Shared<D> {
     }
 
     pub(crate) fn load_xattrs(&self, m: &ObjectMeta) -> Result<BTreeMap<String, Vec<u8>>> {
-        if m.xattrs.len.get() == 0 {
+        self.load_xattr_map(&m.xattrs)
+    }
+
+    /// The xattr map stored at `r` (empty for a zero-length ref).
+    pub(crate) fn load_xattr_map(&self, r: &ChunkRef) -> Result<BTreeMap<String, Vec<u8>>> {
+        if r.len.get() == 0 {
             return Ok(BTreeMap::new());
         }
-        let raw = self.read_ref_vec(&m.xattrs, "xattr map")?;
+        let raw = self.read_ref_vec(r, "xattr map")?;
         decode_xattrs(&raw).ok_or_else(|| StoreError::Format {
             device: self.name.clone(),
-            detail: format!("xattr map at byte {} does not parse", m.xattrs.offset.get()),
+            detail: format!("xattr map at byte {} does not parse", r.offset.get()),
         })
     }
 }

@@ -50,6 +50,8 @@ enum Op<'a> {
     Write(u64, &'a [u8]),
     Append(&'a [u8]),
     Remove,
+    /// Give this object's state to the key named (its partner), and remove it.
+    RenameTo(ObjectKey),
     SetXattr(String, &'a [u8]),
     RmXattr(String),
     AssertVersion(u64),
@@ -133,6 +135,15 @@ impl<'a> Transaction<'a> {
         self
     }
 
+    /// Move the object `from` (it must exist, unchanged so far in this transaction) to its
+    /// partner key `to` ([`crate::StoreConfig::alias`]): `to` takes its data and xattrs,
+    /// replacing whatever it held, and `from` is removed. No bytes move: the new state names
+    /// the same chunks, so it costs a record, whatever the object's size.
+    pub fn rename(&mut self, from: ObjectKey, to: ObjectKey) -> &mut Self {
+        self.ops.push((from, Op::RenameTo(to)));
+        self
+    }
+
     pub fn set_xattr(&mut self, key: ObjectKey, name: &str, value: &'a [u8]) -> &mut Self {
         self.ops.push((key, Op::SetXattr(name.into(), value)));
         self
@@ -212,6 +223,9 @@ struct Obj {
     /// The CRC of each chunk, given by the caller with the replace that made the content
     /// (`replace_parts_with_crcs`); dropped by any later op that changes the data.
     known_crcs: Option<Vec<u32>>,
+    /// The stored xattr map the object's xattrs are, when not its own state's (it was
+    /// renamed here in this transaction).
+    xattr_src: Option<ChunkRef>,
 }
 
 impl<D: BlockDevice> Shared<D> {
@@ -231,6 +245,7 @@ impl<D: BlockDevice> Shared<D> {
             blind: true,
             dirty: false,
             known_crcs: None,
+            xattr_src: None,
         }
     }
 
@@ -332,9 +347,11 @@ impl<D: BlockDevice> Shared<D> {
 
     fn xattrs_mut<'m>(&self, o: &'m mut Obj) -> Result<&'m mut BTreeMap<String, Vec<u8>>> {
         if o.xattrs.is_none() {
-            let map = match (&o.cur, o.xattrs_cleared) {
-                (Some(m), false) => self.load_xattrs(m)?,
-                _ => BTreeMap::new(),
+            let map = match (&o.xattr_src, &o.cur, o.xattrs_cleared) {
+                (_, _, true) => BTreeMap::new(),
+                (Some(r), _, false) => self.load_xattr_map(r)?,
+                (None, Some(m), false) => self.load_xattrs(m)?,
+                (None, None, false) => BTreeMap::new(),
             };
             o.xattrs = Some(map);
         }
@@ -444,6 +461,7 @@ impl<D: BlockDevice> Shared<D> {
                 let at = o.size;
                 self.write_at(o, at, data)?;
             }
+            Op::RenameTo(_) => unreachable!("renames are prepared by `rename_into`"),
             Op::Remove => {
                 if !o.exists {
                     return Err(StoreError::NotFound(o.key.clone()));
@@ -521,6 +539,10 @@ impl<D: BlockDevice> Shared<D> {
                     }
                 }
                 (None, true) => XattrSrc::None,
+                (None, false) if o.xattr_src.is_some() => match o.xattr_src {
+                    Some(r) if r.len.get() > 0 => XattrSrc::Keep(r),
+                    _ => XattrSrc::None,
+                },
                 (None, false) => match (&o.cur, base) {
                     (_, Base::Any) => XattrSrc::Current,
                     (Some(m), _) => XattrSrc::Keep(m.xattrs),
@@ -628,6 +650,62 @@ impl<D: BlockDevice> Shared<D> {
         }))
     }
 
+    /// Prepare a rename of `objs[from]` to `objs[to]`: the partner takes the state the index
+    /// holds for `from` (its chunks and xattr map, by reference), `from` is removed.
+    fn rename_into(
+        &self,
+        objs: &mut [Obj],
+        from: usize,
+        to: usize,
+        seen: &mut Vec<(ObjectKey, Option<u64>)>,
+    ) -> Result<()> {
+        let (fk, tk) = (&objs[from].key, &objs[to].key);
+        let partners = self
+            .config
+            .alias
+            .is_some_and(|alias| alias(fk).as_ref() == Some(tk) && alias(tk).as_ref() == Some(fk));
+        if from == to || !partners {
+            return Err(StoreError::Invalid(format!(
+                "rename of {fk} to {tk}: an object moves only to its partner key \
+                 (StoreConfig::alias)"
+            )));
+        }
+        let o = &mut objs[from];
+        if o.dirty {
+            return Err(StoreError::Invalid(format!(
+                "rename of {}: the object changed earlier in the same transaction",
+                o.key
+            )));
+        }
+        self.load(o, seen);
+        if !o.exists {
+            return Err(StoreError::NotFound(o.key.clone()));
+        }
+        let m = o
+            .cur
+            .clone()
+            .expect("a loaded object that exists has a state");
+        o.blind = false;
+        o.dirty = true;
+        o.exists = false;
+        o.removed = true;
+        o.size = 0;
+        o.chunks.clear();
+        o.xattrs = None;
+        o.xattrs_cleared = true;
+        o.known_crcs = None;
+        let t = &mut objs[to];
+        t.dirty = true;
+        t.exists = true;
+        t.size = m.size;
+        t.chunks = m.chunks.iter().map(|r| Chunk::Keep(*r)).collect();
+        t.xattrs = None;
+        t.xattrs_cleared = false;
+        t.xattr_src = Some(m.xattrs);
+        t.known_crcs = None;
+        Ok(())
+    }
+
     /// Whether any object changed state since `prepare` looked at it.
     fn any_moved(&self, seen: &[(ObjectKey, Option<u64>)]) -> bool {
         seen.iter()
@@ -644,13 +722,20 @@ impl<D: BlockDevice> Shared<D> {
         let mut objs: Vec<Obj> = Vec::new();
         for (key, op) in ops {
             key.check()?;
-            let i = match objs.iter().position(|o| &o.key == key) {
+            let mut at = |key: &ObjectKey| match objs.iter().position(|o| &o.key == key) {
                 Some(i) => i,
                 None => {
                     objs.push(self.new_obj(key));
                     objs.len() - 1
                 }
             };
+            let i = at(key);
+            if let Op::RenameTo(to) = op {
+                to.check()?;
+                let j = at(to);
+                self.rename_into(&mut objs, i, j, seen)?;
+                continue;
+            }
             self.apply_op(&mut objs[i], op, seen)?;
         }
         let mut muts = Vec::new();

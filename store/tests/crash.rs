@@ -42,6 +42,8 @@ enum TOp {
     Write(String, u64, Vec<u8>),
     Append(String, Vec<u8>),
     Remove(String),
+    /// Rename to the partner key ([`partner`]).
+    Rename(String),
     SetX(String, String, Vec<u8>),
     RmX(String, String),
 }
@@ -61,6 +63,7 @@ impl std::fmt::Debug for TOp {
             TOp::Write(k, o, d) => write!(f, "write({k}, @{o}, {} bytes)", d.len()),
             TOp::Append(k, d) => write!(f, "append({k}, {} bytes)", d.len()),
             TOp::Remove(k) => write!(f, "remove({k})"),
+            TOp::Rename(k) => write!(f, "rename({k} to {})", partner_name(k)),
             TOp::SetX(k, n, v) => write!(f, "set_xattr({k}, {n}, {} bytes)", v.len()),
             TOp::RmX(k, n) => write!(f, "rm_xattr({k}, {n})"),
         }
@@ -70,7 +73,24 @@ impl std::fmt::Debug for TOp {
 /// Apply to the model; `Err` when the store must refuse it too.
 fn apply(model: &mut Model, ops: &[TOp]) -> Result<(), ()> {
     let mut m = model.clone();
+    // Keys an op changed so far: the store renames only an object unchanged in the
+    // transaction.
+    let mut touched = std::collections::BTreeSet::new();
     for op in ops {
+        let k = match op {
+            TOp::WriteFull(k, _)
+            | TOp::Replace(k, ..)
+            | TOp::Write(k, ..)
+            | TOp::Append(k, _)
+            | TOp::Remove(k)
+            | TOp::Rename(k)
+            | TOp::SetX(k, ..)
+            | TOp::RmX(k, _) => k,
+        };
+        if matches!(op, TOp::Rename(_)) && touched.contains(k) {
+            return Err(());
+        }
+        touched.insert(k.clone());
         match op {
             TOp::WriteFull(k, d) => {
                 let o = m.entry(k.clone()).or_insert_with(|| Obj {
@@ -105,6 +125,11 @@ fn apply(model: &mut Model, ops: &[TOp]) -> Result<(), ()> {
             TOp::Remove(k) => {
                 m.remove(k).ok_or(())?;
             }
+            TOp::Rename(k) => {
+                let o = m.remove(k).ok_or(())?;
+                m.insert(partner_name(k), o);
+                touched.insert(partner_name(k));
+            }
             TOp::SetX(k, n, v) => {
                 m.get_mut(k).ok_or(())?.xattrs.insert(n.clone(), v.clone());
             }
@@ -119,6 +144,23 @@ fn apply(model: &mut Model, ops: &[TOp]) -> Result<(), ()> {
 
 fn skey(k: &str) -> ObjectKey {
     ObjectKey::new(1, k.as_bytes(), 0)
+}
+
+/// Rename partners: the key names that differ in the lowest bit of their last digit
+/// (k0 ↔ k1, c2-k4 ↔ c2-k5).
+fn partner_name(k: &str) -> String {
+    let mut b = k.as_bytes().to_vec();
+    let last = b.last_mut().expect("a key name");
+    assert!(last.is_ascii_digit(), "key names end in a digit");
+    *last = ((*last - b'0') ^ 1) + b'0';
+    String::from_utf8(b).expect("ascii")
+}
+
+/// [`partner_name`] as the store's alias.
+fn partner(k: &ObjectKey) -> Option<ObjectKey> {
+    let name = std::str::from_utf8(&k.name).ok()?;
+    name.ends_with(|c: char| c.is_ascii_digit())
+        .then(|| ObjectKey::new(k.pool, partner_name(name).as_bytes(), k.shard))
 }
 
 fn size(rng: &mut ChaCha8Rng, big: bool) -> usize {
@@ -168,7 +210,8 @@ fn gen_txn(rng: &mut ChaCha8Rng, keys: &[String], model: &Model, big: bool) -> V
                     TOp::Write(k, off, data(seed, rng.gen_range(1..140_000)))
                 }
                 60..=69 => TOp::Append(k, data(seed, rng.gen_range(0..100_000))),
-                70..=79 if exists => TOp::Remove(k),
+                70..=74 if exists => TOp::Remove(k),
+                75..=79 if exists => TOp::Rename(k),
                 80..=91 if exists => TOp::SetX(
                     k,
                     format!("x{}", rng.gen_range(0..4)),
@@ -212,6 +255,7 @@ fn run_txn(s: &Store<SimDevice>, ops: &[TOp]) -> Result<u64, StoreError> {
             TOp::Write(k, off, d) => t.write(skey(k), *off, d),
             TOp::Append(k, d) => t.append(skey(k), d),
             TOp::Remove(k) => t.remove(skey(k)),
+            TOp::Rename(k) => t.rename(skey(k), skey(&partner_name(k))),
             TOp::SetX(k, n, v) => t.set_xattr(skey(k), n, v),
             TOp::RmX(k, n) => t.rm_xattr(skey(k), n),
         };
@@ -299,6 +343,7 @@ fn config(auto: bool, cleaner: bool) -> StoreConfig {
         checkpoint_interval_bytes: if auto { 3 << 20 } else { u64::MAX },
         cleaner,
         staging_bytes: 4 << 20,
+        alias: Some(partner),
         ..StoreConfig::default()
     }
 }
@@ -372,7 +417,9 @@ fn deterministic_seed(seed: u64) -> (u64, [u64; 3]) {
                     );
                     acked = next;
                 }
-                Err(StoreError::NotFound(_) | StoreError::NoXattr { .. }) if !valid => {}
+                Err(
+                    StoreError::NotFound(_) | StoreError::NoXattr { .. } | StoreError::Invalid(_),
+                ) if !valid => {}
                 Err(StoreError::OutOfSpace { .. }) => break,
                 Err(e) => {
                     assert!(dev.is_gone(), "{ctx}: {txn:?} failed before the crash: {e}");
@@ -511,7 +558,8 @@ fn concurrent_crash_points() {
                                         assert!(valid, "{ctx}: store accepted {txn:?}, the model refuses it");
                                         model = next;
                                     }
-                                    Err(StoreError::NotFound(_) | StoreError::NoXattr { .. }) if !valid => {}
+                                    Err(StoreError::NotFound(_) | StoreError::NoXattr { .. } | StoreError::Invalid(_))
+                    if !valid => {}
                                     Err(StoreError::OutOfSpace { .. }) => break,
                                     Err(e) => {
                                         assert!(dev.is_gone(), "{ctx}: client {c}: {txn:?} failed before the crash: {e}");

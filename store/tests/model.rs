@@ -6,7 +6,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::*;
-use nvstore_store::{mkfs, Store, StoreConfig, StoreError};
+use nvstore_store::{mkfs, ObjectKey, Store, StoreConfig, StoreError};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -19,6 +19,8 @@ enum Op {
     Write(u8, u32, usize, u64),
     Append(u8, usize, u64),
     Remove(u8),
+    /// Rename to the partner key (m0 ↔ m1, m2 ↔ m3).
+    Rename(u8),
     SetX(u8, u8, usize),
     RmX(u8, u8),
     Reopen,
@@ -34,11 +36,24 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (k.clone(), 0u32..400_000, len.clone(), any::<u64>()).prop_map(|(k, o, l, s)| Op::Write(k, o, l, s)),
         2 => (k.clone(), len, any::<u64>()).prop_map(|(k, l, s)| Op::Append(k, l, s)),
         1 => k.clone().prop_map(Op::Remove),
+        2 => k.clone().prop_map(Op::Rename),
         2 => (k.clone(), 0u8..3, 0usize..2000).prop_map(|(k, n, l)| Op::SetX(k, n, l)),
         1 => (k, 0u8..3).prop_map(|(k, n)| Op::RmX(k, n)),
         1 => Just(Op::Reopen),
         1 => Just(Op::Checkpoint),
     ]
+}
+
+/// The model's pairing for renames: m0 ↔ m1, m2 ↔ m3.
+fn partner(k: &ObjectKey) -> Option<ObjectKey> {
+    match &k.name[..] {
+        [b'm', d @ b'0'..=b'3'] => Some(ObjectKey::new(
+            k.pool,
+            [b'm', ((d - b'0') ^ 1) + b'0'],
+            k.shard,
+        )),
+        _ => None,
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -54,7 +69,8 @@ proptest! {
     fn store_matches_model(ops in proptest::collection::vec(op(), 1..40)) {
         let dev = sim(128, 77);
         mkfs(&dev, &mkfs_opts()).unwrap();
-        let open = || Store::open(dev.clone(), Some(FSID), StoreConfig::default()).unwrap().0;
+        let config = StoreConfig { alias: Some(partner), ..StoreConfig::default() };
+        let open = || Store::open(dev.clone(), Some(FSID), config.clone()).unwrap().0;
         let mut s = open();
         let mut model: BTreeMap<u8, Obj> = BTreeMap::new();
         let name = |k: u8| key(&format!("m{k}"));
@@ -98,6 +114,15 @@ proptest! {
                     (Err(StoreError::NotFound(_)), None) => {}
                     (r, m) => prop_assert!(false, "remove: store {r:?}, model {m:?}"),
                 },
+                Op::Rename(k) => {
+                    let mut t = nvstore_store::Transaction::new();
+                    t.rename(name(*k), name(*k ^ 1));
+                    match (s.commit(t), model.remove(k)) {
+                        (Ok(_), Some(o)) => { model.insert(*k ^ 1, o); }
+                        (Err(StoreError::NotFound(_)), None) => {}
+                        (r, m) => prop_assert!(false, "rename: store {r:?}, model {m:?}"),
+                    }
+                }
                 Op::SetX(k, n, l) => {
                     let v = data(*l as u64, *l);
                     let r = s.set_xattr(&name(*k), &format!("x{n}"), &v);
