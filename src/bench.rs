@@ -38,6 +38,8 @@ pub enum BenchCommand {
     Seq(crate::bench_cluster::ClusterBenchArgs),
     /// Cluster random read benchmark over the objects a `write` run left
     Rand(crate::bench_cluster::ClusterBenchArgs),
+    /// Cluster overwrite benchmark: whole-object puts over the objects a `write` run left
+    Overwrite(crate::bench_cluster::ClusterBenchArgs),
     /// Recovery: start a local cluster, fill it, lose a node; rebuild rate vs the raw
     /// bottleneck, client p99 during recovery vs without
     Recovery(crate::bench_recovery::RecoveryBenchArgs),
@@ -59,6 +61,9 @@ pub fn run_bench(cmd: BenchCommand) -> Result<ExitCode, Box<dyn std::error::Erro
         BenchCommand::Write(a) => crate::bench_cluster::run(crate::bench_cluster::Mode::Write, a),
         BenchCommand::Seq(a) => crate::bench_cluster::run(crate::bench_cluster::Mode::Seq, a),
         BenchCommand::Rand(a) => crate::bench_cluster::run(crate::bench_cluster::Mode::Rand, a),
+        BenchCommand::Overwrite(a) => {
+            crate::bench_cluster::run(crate::bench_cluster::Mode::Overwrite, a)
+        }
         BenchCommand::Recovery(a) => crate::bench_recovery::run(a),
         BenchCommand::Hot(a) => crate::bench_hot::run(a),
     }

@@ -22,6 +22,8 @@ pub enum Mode {
     Write,
     Seq,
     Rand,
+    /// Whole-object puts over the objects a `write` run left, in order (each an overwrite).
+    Overwrite,
 }
 
 #[derive(Debug, clap::Args)]
@@ -168,7 +170,8 @@ pub fn bench(
         .unwrap_or(0);
     if mode != Mode::Write && existing == 0 {
         return Err(crate::Error::Config(format!(
-            "no objects of {size} bytes to read: run `nvstore bench write --size {size}` first"
+            "no objects of {size} bytes to read or overwrite: run `nvstore bench write --size \
+             {size}` first"
         )));
     }
     let next = Arc::new(AtomicU64::new(if mode == Mode::Write {
@@ -215,13 +218,13 @@ pub fn bench(
                     while !stop.load(Relaxed) {
                         let i = match mode {
                             Mode::Write => next.fetch_add(1, Relaxed),
-                            Mode::Seq => next.fetch_add(1, Relaxed) % existing,
+                            Mode::Seq | Mode::Overwrite => next.fetch_add(1, Relaxed) % existing,
                             Mode::Rand => rng.gen_range(0..existing),
                         };
                         let name = obj_name(size, i);
                         let t = Instant::now();
                         let r = match mode {
-                            Mode::Write => c
+                            Mode::Write | Mode::Overwrite => c
                                 .put_shared(pool, name.as_bytes(), payload.clone())
                                 .map(|_| ()),
                             _ => c.read(pool, name.as_bytes(), 0, size).and_then(|d| {
