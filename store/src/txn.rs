@@ -228,6 +228,18 @@ struct Obj {
     xattr_src: Option<ChunkRef>,
 }
 
+impl Obj {
+    /// The object is gone (removed, or renamed away) as of this op.
+    fn set_removed(&mut self) {
+        self.exists = false;
+        self.removed = true;
+        self.size = 0;
+        self.chunks.clear();
+        self.xattrs = None;
+        self.xattrs_cleared = true;
+    }
+}
+
 impl<D: BlockDevice> Shared<D> {
     /// An object of the transaction, its state not looked up yet ([`Shared::load`]).
     fn new_obj(&self, key: &ObjectKey) -> Obj {
@@ -466,12 +478,7 @@ impl<D: BlockDevice> Shared<D> {
                 if !o.exists {
                     return Err(StoreError::NotFound(o.key.clone()));
                 }
-                o.exists = false;
-                o.removed = true;
-                o.size = 0;
-                o.chunks.clear();
-                o.xattrs = None;
-                o.xattrs_cleared = true;
+                o.set_removed();
             }
             Op::SetXattr(name, value) => {
                 o.blind &= o.xattrs_cleared;
@@ -687,13 +694,8 @@ impl<D: BlockDevice> Shared<D> {
             .expect("a loaded object that exists has a state");
         o.blind = false;
         o.dirty = true;
-        o.exists = false;
-        o.removed = true;
-        o.size = 0;
-        o.chunks.clear();
-        o.xattrs = None;
-        o.xattrs_cleared = true;
         o.known_crcs = None;
+        o.set_removed();
         let t = &mut objs[to];
         t.dirty = true;
         t.exists = true;
