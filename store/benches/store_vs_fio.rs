@@ -404,7 +404,7 @@ fn small_reads(path: &Path, size: u64, secs: f64, quick: bool) {
         let t0 = Instant::now();
         let cpu0 = driver::workload::thread_cpu_time();
         while t0.elapsed().as_secs_f64() < secs {
-            while r.in_flight() < 32 {
+            while r.on_device() < 32 {
                 r.submit(&key(i.wrapping_mul(2_654_435_761) % n), 0, 4096, i)
                     .unwrap();
                 i += 1;
@@ -475,7 +475,7 @@ fn small_reads(path: &Path, size: u64, secs: f64, quick: bool) {
         let mut out = Vec::new();
         let (mut i, mut done, t0) = (7u64, 0u64, Instant::now());
         while t0.elapsed().as_secs_f64() < secs {
-            while r.in_flight() < 32 {
+            while r.on_device() < 32 {
                 r.submit(&key(i.wrapping_mul(2_654_435_761) % n), 0, 4096, i)
                     .unwrap();
                 i += 1;

@@ -1,7 +1,11 @@
 //! An asynchronous reader: one thread keeps many object reads in flight on its own device
 //! queue, the way a node's op worker serves concurrent requests. `submit` looks the object up
-//! and queues its chunk reads; `poll` returns whole results (verified, assembled) as their
-//! last IO completes. The synchronous `Store::read` is one submit and one poll.
+//! and queues its chunk reads; `poll` returns whole results (verified, assembled): those whose
+//! last IO the previous poll reaped, verified before it waits — so a caller that tops the
+//! device up between polls (`on_device`) has its next reads queued while they are checked —
+//! or, when it has none of those, the ones it reaps itself. One thread, 32 random 4 KiB reads
+//! on the device, six alternating pairs: median 0.885× fio vs 0.845× verifying before
+//! returning.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -59,6 +63,9 @@ pub struct Reader<D: BlockDevice> {
     comps: Vec<Completion>,
     /// Vectors of finished reads, for the next.
     spare: Vec<Plan>,
+    /// Reads whose IO has all completed, to verify and return at the next `poll` (after the
+    /// caller has queued its next reads).
+    ready: Vec<usize>,
 }
 
 impl<D: BlockDevice + 'static> Store<D> {
@@ -72,6 +79,7 @@ impl<D: BlockDevice + 'static> Store<D> {
             waiting: std::collections::VecDeque::new(),
             comps: (0..32).map(|_| Completion::default()).collect(),
             spare: Vec::new(),
+            ready: Vec::new(),
         })
     }
 }
@@ -80,6 +88,13 @@ impl<D: BlockDevice> Reader<D> {
     /// Reads submitted and not yet returned by `poll`.
     pub fn in_flight(&self) -> usize {
         self.slots.len() - self.free.len()
+    }
+
+    /// Reads submitted whose IO has not all completed: `in_flight` less those completed and
+    /// waiting for the next `poll` to verify and return them. A caller that keeps the device
+    /// busy tops this up before each poll.
+    pub fn on_device(&self) -> usize {
+        self.in_flight() - self.ready.len()
     }
 
     /// Queue a read of `len` bytes at `offset` of `key` (clamped to the object); its result
@@ -157,6 +172,11 @@ impl<D: BlockDevice> Reader<D> {
     /// call, so a caller that submits between polls keeps the device queue full.
     pub fn poll_min(&mut self, out: &mut Vec<(u64, Result<ReadBuf>)>, min: usize) -> Result<usize> {
         let before = out.len();
+        // Reads the last call found complete: verified now, while the reads the caller queued
+        // since are on the device (verifying them before returning held those up).
+        while let Some(slot) = self.ready.pop() {
+            self.finish(slot, out);
+        }
         // Reads of empty ranges (no runs) finish at once.
         for slot in 0..self.slots.len() {
             if self.slots[slot]
@@ -191,6 +211,12 @@ impl<D: BlockDevice> Reader<D> {
             }
             p.left -= 1;
             if p.left == 0 {
+                self.ready.push(slot);
+            }
+        }
+        // Nothing to return yet: return these now rather than make the caller poll again.
+        if out.len() == before {
+            while let Some(slot) = self.ready.pop() {
                 self.finish(slot, out);
             }
         }
