@@ -1256,7 +1256,8 @@ impl Local {
         let key = ObjectKey::new(w.pool, w.name, w.shard);
         // One index lookup serves the checks below (each is a skip-list search: several of
         // them per shard write showed as 6 % of all CPU in 4 KiB write profiles).
-        let exists = st.exists(&key);
+        let stored_size = st.stat(&key).ok().map(|s| s.size);
+        let exists = stored_size.is_some();
         if matches!(how, Commit::Async(..))
             && (w.kind != WriteKind::Full || w.data.len() > ASYNC_APPLY_BYTES_MAX || exists)
         {
@@ -1318,7 +1319,9 @@ impl Local {
             (WriteKind::Full, true) if cur_deleted => Restore::Full(Vec::new()),
             // A big old shard moves to the rollback key by reference (renamed below); a small
             // one is copied into the record (no separate object to keep or drop).
-            (WriteKind::Full, true) if st.stat(&key)?.size > ROLLBACK_INLINE_BYTES_MAX as u64 => {
+            (WriteKind::Full, true)
+                if stored_size.unwrap_or(0) > ROLLBACK_INLINE_BYTES_MAX as u64 =>
+            {
                 Restore::Moved
             }
             (WriteKind::Full, true) => Restore::Full(st.read_vec(&key, 0, u64::MAX)?),

@@ -174,9 +174,7 @@ impl<D: BlockDevice> Reader<D> {
         let before = out.len();
         // Reads the last call found complete: verified now, while the reads the caller queued
         // since are on the device (verifying them before returning held those up).
-        while let Some(slot) = self.ready.pop() {
-            self.finish(slot, out);
-        }
+        self.finish_ready(out);
         // Reads of empty ranges (no runs) finish at once.
         for slot in 0..self.slots.len() {
             if self.slots[slot]
@@ -216,12 +214,17 @@ impl<D: BlockDevice> Reader<D> {
         }
         // Nothing to return yet: return these now rather than make the caller poll again.
         if out.len() == before {
-            while let Some(slot) = self.ready.pop() {
-                self.finish(slot, out);
-            }
+            self.finish_ready(out);
         }
         self.submit_waiting()?;
         Ok(out.len() - before)
+    }
+
+    /// Verify and return every read in `ready`.
+    fn finish_ready(&mut self, out: &mut Vec<(u64, Result<ReadBuf>)>) {
+        while let Some(slot) = self.ready.pop() {
+            self.finish(slot, out);
+        }
     }
 
     fn finish(&mut self, slot: usize, out: &mut Vec<(u64, Result<ReadBuf>)>) {
