@@ -16,7 +16,14 @@
 //! `NVSTORE_BENCH_PAIRS` (alternating store/fio pairs for the 4 MiB writes, default 3),
 //! `NVSTORE_BENCH_WRITERS` (the 4 MiB phase's store writer counts = fio queue depths, a comma
 //! list, default "4,16"), `NVSTORE_READ_BATCH` (completions the one-thread reader waits for
-//! per poll, default 4).
+//! per poll, default 1).
+//!
+//! `NVSTORE_BENCH_ONLY=read-knobs` (never part of a default run) compares the async reader's
+//! poll settings in one process: one fill, then `NVSTORE_BENCH_ROUNDS` (default 10) rounds of
+//! 2 s windows — the driver's own loop, each `batch:reap` setting of `NVSTORE_READ_KNOBS`
+//! (default "4:4,1:4"; batch = completions a poll waits for, reap = most it takes; reverse
+//! order in odd rounds) and 32 synchronous readers — each as a ratio to the round's driver
+//! loop, then the medians. Single runs swing ±8 %: settings are compared round by round.
 //! Without `--bench` (cargo test) it runs a tiny smoke version.
 
 use std::path::{Path, PathBuf};
@@ -139,6 +146,10 @@ fn main() {
     }
     if want("reads") {
         small_reads(&path, size, secs, quick);
+    }
+    // Not in the default set: named alone, it compares the reader's poll settings.
+    if only.split(',').any(|o| o == "read-knobs") {
+        read_knobs(&path, size, quick);
     }
 
     let sizes: Vec<u64> = std::env::var("NVSTORE_BENCH_OBJECTS")
@@ -391,11 +402,14 @@ fn small_reads(path: &Path, size: u64, secs: f64, quick: bool) {
     });
     let disk_ours = disk.and_then(|d| d.finish());
     // One thread keeping 32 reads in flight through the async Reader (what a node's op
-    // worker does), like fio's one thread at QD32.
+    // worker does), like fio's one thread at QD32. Each poll waits for one completion, as fio
+    // does (`iodepth_batch_complete_min=1`): against 4, `read-knobs` (below), 2 s windows
+    // alternating with the driver's loop, 4 reap at most in both: 0.910 vs 0.897 and 0.943 vs
+    // 0.887 of the driver loop (medians of 10 and 12 rounds), higher in 18 of 22 rounds.
     let batch: usize = std::env::var("NVSTORE_READ_BATCH")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(4);
+        .unwrap_or(1);
     let many = {
         let mut r = s.reader().unwrap();
         let mut out = Vec::new();
@@ -517,6 +531,85 @@ fn small_reads(path: &Path, size: u64, secs: f64, quick: bool) {
         f.as_ref().map_or(0.0, |r| r.iops())
     );
     print_disk(&disk_ours, &disk_fio);
+}
+
+/// `NVSTORE_BENCH_ONLY=read-knobs`: the async reader's poll settings compared in one process
+/// (see the module docs).
+fn read_knobs(path: &Path, size: u64, quick: bool) {
+    let (s, _dev) = fresh(path, size, false);
+    let n = if quick { 5_000 } else { 200_000 };
+    nvstore_store::bench::fill(&s, n, &[0x22u8; 4096], 32);
+    let ext = driver::workload::data_extents(path).unwrap_or_default();
+    let span = ext.iter().map(|(o, l)| o + l).max().unwrap_or(size) / 4096 * 4096;
+    let raw = FileDevice::open(path, FileOptions::default()).expect("bench file");
+    let knobs: Vec<(usize, usize)> = std::env::var("NVSTORE_READ_KNOBS")
+        .unwrap_or_else(|_| "4:4,1:4".into())
+        .split(',')
+        .map(|k| {
+            k.split_once(':')
+                .and_then(|(b, r)| Some((b.parse().ok()?, r.parse().ok()?)))
+                .expect("NVSTORE_READ_KNOBS is a list of batch:reap pairs, such as 4:4,1:4")
+        })
+        .collect();
+    let rounds = env_u64("NVSTORE_BENCH_ROUNDS", if quick { 1 } else { 10 });
+    let secs = if quick { 0.5 } else { 2.0 };
+    println!(
+        "\n## async reader poll settings (batch:reap) vs the driver's loop, {rounds} rounds of \
+         {secs} s windows, 32 reads in flight"
+    );
+    // Ratios to each round's driver loop: one column per setting, then 32 synchronous readers.
+    let mut cols: Vec<Vec<f64>> = vec![Vec::new(); knobs.len() + 1];
+    for round in 0..rounds {
+        let spec = Spec {
+            pattern: Pattern::RandRead,
+            io_bytes: 4096,
+            depth: 32,
+            span_bytes: span,
+            duration: Duration::from_secs_f64(secs),
+            seed: 3 + round,
+        };
+        let base = driver::workload::run(&raw, &spec)
+            .expect("driver loop")
+            .iops();
+        let mut line = format!("  round {round:>2}: driver {base:>7.0}/s");
+        let mut order: Vec<usize> = (0..knobs.len()).collect();
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        for k in order {
+            let (batch, reap) = knobs[k];
+            let mut r = s.reader().unwrap();
+            r.set_reap_max(reap);
+            let mut out = Vec::new();
+            let (mut i, mut done, t0) = (round * 7_777_777, 0u64, Instant::now());
+            while t0.elapsed().as_secs_f64() < secs {
+                while r.on_device() < 32 {
+                    r.submit(&key(i.wrapping_mul(2_654_435_761) % n), 0, 4096, i)
+                        .unwrap();
+                    i += 1;
+                }
+                r.poll_min(&mut out, batch).unwrap();
+                for (_, res) in out.drain(..) {
+                    assert_eq!(res.unwrap().len(), 4096);
+                    done += 1;
+                }
+            }
+            let ratio = done as f64 / t0.elapsed().as_secs_f64() / base;
+            cols[k].push(ratio);
+            line += &format!("   {batch}:{reap} {ratio:.3}");
+        }
+        let sync = drive(32, secs, |t, i| {
+            let k = key((i.wrapping_mul(2_654_435_761) ^ (t as u64 * 97 + round)) % n);
+            assert_eq!(s.read(&k, 0, 4096).unwrap().len(), 4096);
+        }) / base;
+        cols[knobs.len()].push(sync);
+        println!("{line}   32 threads {sync:.3}");
+    }
+    let mut line = String::from("  median of the ratios:");
+    for (k, (batch, reap)) in knobs.iter().enumerate() {
+        line += &format!("   {batch}:{reap} {:.3}", median(&cols[k]));
+    }
+    println!("{line}   32 threads {:.3}", median(&cols[knobs.len()]));
 }
 
 /// The disk's own view of a store phase and the fio phase it is compared with (request size,

@@ -66,6 +66,7 @@ pub struct Reader<D: BlockDevice> {
     /// Reads whose IO has all completed, to verify and return at the next `poll` (after the
     /// caller has queued its next reads).
     ready: Vec<usize>,
+    reap_max: usize,
 }
 
 impl<D: BlockDevice + 'static> Store<D> {
@@ -80,11 +81,17 @@ impl<D: BlockDevice + 'static> Store<D> {
             comps: (0..32).map(|_| Completion::default()).collect(),
             spare: Vec::new(),
             ready: Vec::new(),
+            reap_max: REAP_MAX,
         })
     }
 }
 
 impl<D: BlockDevice> Reader<D> {
+    /// Most completions one poll takes beyond the `min` it waits for (default 4).
+    pub fn set_reap_max(&mut self, n: usize) {
+        self.reap_max = n.max(1);
+    }
+
     /// Reads submitted and not yet returned by `poll`.
     pub fn in_flight(&self) -> usize {
         self.slots.len() - self.free.len()
@@ -192,7 +199,7 @@ impl<D: BlockDevice> Reader<D> {
         // Reap a few completions per call (the rest wait in the completion queue, no system
         // call needed for them): a caller that refills its reads between polls then
         // resubmits within a few reads' work rather than after verifying all that finished.
-        let cap = min.max(REAP_MAX).min(self.comps.len());
+        let cap = min.max(self.reap_max).min(self.comps.len());
         let n = self.q.wait(&mut self.comps[..cap], min, READ_TIMEOUT)?;
         for k in 0..n {
             let c = std::mem::take(&mut self.comps[k]);
