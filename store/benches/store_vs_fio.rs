@@ -5,7 +5,8 @@
 //!   blocks, QD4 and QD16, and the store's best against fio's best;
 //! * 4 KiB durable puts/s (32 writers) vs fio 4 KiB randwrite QD32 with fdatasync every 32;
 //! * 4 KiB reads/s (32 reader threads, and one thread with 32 in flight) vs fio 4 KiB
-//!   randread QD32, with the driver's own loop on the same span as a third row;
+//!   randread QD32, with the driver's own loop on the same span as a third row (alternating
+//!   pairs, medians of the ratios);
 //! * restart time at 100 k and 1 M objects, with checkpoints vs without (full replay);
 //! * write amplification under churn (70 % full, random 64 KiB overwrites);
 //! * index bytes per object and peak RSS.
@@ -13,7 +14,8 @@
 //! Environment: `NVSTORE_BENCH_DIR` (default: the target directory), `NVSTORE_BENCH_SECS`
 //! (default 10), `NVSTORE_BENCH_OBJECTS` (restart sizes, default "100000,1000000"),
 //! `NVSTORE_BENCH_ONLY` (comma list of latency, writes, puts, reads, restart, churn),
-//! `NVSTORE_BENCH_PAIRS` (alternating store/fio pairs for the 4 MiB writes, default 3),
+//! `NVSTORE_BENCH_PAIRS` (alternating store/fio pairs for the 4 MiB writes and the 4 KiB
+//! reads, default 3),
 //! `NVSTORE_BENCH_WRITERS` (the 4 MiB phase's store writer counts = fio queue depths, a comma
 //! list, default "4,16"), `NVSTORE_READ_BATCH` (completions the one-thread reader waits for
 //! per poll, default 1).
@@ -145,7 +147,7 @@ fn main() {
         small_puts(&path, size, secs);
     }
     if want("reads") {
-        small_reads(&path, size, secs, quick);
+        small_reads(&path, size, secs, pairs, quick);
     }
     // Not in the default set: named alone, it compares the reader's poll settings.
     if only.split(',').any(|o| o == "read-knobs") {
@@ -389,55 +391,17 @@ fn small_puts(path: &Path, size: u64, secs: f64) {
     );
 }
 
-fn small_reads(path: &Path, size: u64, secs: f64, quick: bool) {
+/// 4 KiB reads of 4 KiB objects: 32 synchronous reader threads, and one thread keeping 32
+/// reads in flight through the async `Reader` (what a node's op worker does), vs fio randread
+/// 4K QD32 on the span of the file the store wrote, with the driver's own loop on the same
+/// span as a third row. The host's disk drifts from minute to minute (single runs swing
+/// ±8 %): store and fio alternate `pairs` times — the store first in even pairs, fio and the
+/// driver loop first in odd ones — and the goal rows are the medians of the per-pair ratios.
+fn small_reads(path: &Path, size: u64, secs: f64, pairs: usize, quick: bool) {
     let (s, _dev) = fresh(path, size, false);
     let n = if quick { 5_000 } else { 200_000 };
     let data = vec![0x22u8; 4096];
     nvstore_store::bench::fill(&s, n, &data, 32);
-    let disk = DiskPhase::start(path);
-    let ops = drive(32, secs, |t, i| {
-        let k = key((i.wrapping_mul(2_654_435_761) ^ (t as u64 * 97)) % n);
-        let r = s.read(&k, 0, 4096).unwrap();
-        assert_eq!(r.len(), 4096);
-    });
-    let disk_ours = disk.and_then(|d| d.finish());
-    // One thread keeping 32 reads in flight through the async Reader (what a node's op
-    // worker does), like fio's one thread at QD32. Each poll waits for one completion, as fio
-    // does (`iodepth_batch_complete_min=1`): against 4, `read-knobs` (below), 2 s windows
-    // alternating with the driver's loop, 4 reap at most in both: 0.910 vs 0.897 and 0.943 vs
-    // 0.887 of the driver loop (medians of 10 and 12 rounds), higher in 18 of 22 rounds.
-    let batch: usize = std::env::var("NVSTORE_READ_BATCH")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1);
-    let many = {
-        let mut r = s.reader().unwrap();
-        let mut out = Vec::new();
-        let mut i = 0u64;
-        let mut done = 0u64;
-        let t0 = Instant::now();
-        let cpu0 = driver::workload::thread_cpu_time();
-        while t0.elapsed().as_secs_f64() < secs {
-            while r.on_device() < 32 {
-                r.submit(&key(i.wrapping_mul(2_654_435_761) % n), 0, 4096, i)
-                    .unwrap();
-                i += 1;
-            }
-            r.poll_min(&mut out, batch).unwrap();
-            for (_, res) in out.drain(..) {
-                assert_eq!(res.unwrap().len(), 4096);
-                done += 1;
-            }
-        }
-        let cpu = driver::workload::thread_cpu_time() - cpu0;
-        println!(
-            "  (async reader: {:.1} µs of CPU per read, {:.0} % of a core)",
-            cpu.as_secs_f64() * 1e6 / done.max(1) as f64,
-            cpu.as_secs_f64() * 100.0 / t0.elapsed().as_secs_f64()
-        );
-        done as f64 / t0.elapsed().as_secs_f64()
-    };
-    drop(s);
     // fio reads the part of the file the store wrote. Past it are holes, which the kernel
     // answers with zeros and no device IO: a span of n × 8 KiB ran ~35 % past the data and
     // flattered fio by ~1.6x.
@@ -448,89 +412,117 @@ fn small_reads(path: &Path, size: u64, secs: f64, quick: bool) {
         .iter()
         .map(|(o, l)| (o + l).min(span) - o.min(&span))
         .sum();
+    // Each poll of the one-thread reader waits for one completion, as fio does
+    // (`iodepth_batch_complete_min=1`): against 4, `read-knobs` (below), 2 s windows
+    // alternating with the driver's loop, 4 reaped at most in both: 0.910 vs 0.897 and 0.943
+    // vs 0.887 of the driver loop (medians of 10 and 12 rounds), higher in 18 of 22 rounds.
+    let batch: usize = std::env::var("NVSTORE_READ_BATCH")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    // The driver loop opens the file beside the store (idle meanwhile).
+    let raw = FileDevice::open(path, FileOptions::default()).ok();
+    println!("\n## 4 KiB reads of {n} objects, 32 readers vs fio randread 4K QD32");
     println!(
-        "  fio span: the first {} MiB of the file, where the store's data is ({:.1} % holes)",
+        "  fio span: the first {} MiB of the file, where the store's data is ({:.1} % holes); \
+         {pairs} alternating pairs, {secs} s per phase",
         span >> 20,
         100.0 * (1.0 - data as f64 / span.max(1) as f64)
     );
-    let disk = DiskPhase::start(path);
-    let f = fio(path, Pattern::RandRead, 4096, 32, span, secs, &[]);
-    let disk_fio = disk.and_then(|d| d.finish());
-    // Where the gap lies: the driver's own loop (one queue, 32 reads in flight, no store) on
-    // the same span of the same file, right after fio. What it misses of fio is the device
-    // path's; what the store's reader misses of it is the store's.
-    let raw = FileDevice::open(path, FileOptions::default())
-        .ok()
-        .and_then(|dev| {
+    let (mut sync_r, mut one_r, mut raw_r) = (Vec::new(), Vec::new(), Vec::new());
+    for pair in 0..pairs {
+        let store_side = |seed: u64| {
+            let disk = DiskPhase::start(path);
+            let sync = drive(32, secs, |t, i| {
+                let k = key((i.wrapping_mul(2_654_435_761) ^ (t as u64 * 97 + seed)) % n);
+                assert_eq!(s.read(&k, 0, 4096).unwrap().len(), 4096);
+            });
+            let mut r = s.reader().unwrap();
+            let mut out = Vec::new();
+            let (mut i, mut done) = (seed * 7_777_777, 0u64);
+            let t0 = Instant::now();
+            let cpu0 = driver::workload::thread_cpu_time();
+            while t0.elapsed().as_secs_f64() < secs {
+                while r.on_device() < 32 {
+                    r.submit(&key(i.wrapping_mul(2_654_435_761) % n), 0, 4096, i)
+                        .unwrap();
+                    i += 1;
+                }
+                r.poll_min(&mut out, batch).unwrap();
+                for (_, res) in out.drain(..) {
+                    assert_eq!(res.unwrap().len(), 4096);
+                    done += 1;
+                }
+            }
+            let cpu = driver::workload::thread_cpu_time() - cpu0;
+            let wall = t0.elapsed().as_secs_f64();
+            let one = done as f64 / wall;
+            let cpu_note = format!(
+                "{:.1} µs of CPU per read, {:.0} % of a core",
+                cpu.as_secs_f64() * 1e6 / done.max(1) as f64,
+                cpu.as_secs_f64() * 100.0 / wall
+            );
+            (sync, one, cpu_note, disk.and_then(|d| d.finish()))
+        };
+        let fio_side = || {
+            let disk = DiskPhase::start(path);
+            let f = fio(path, Pattern::RandRead, 4096, 32, span, secs, &[]).map(|r| r.iops());
+            let disk = disk.and_then(|d| d.finish());
+            // Where the gap lies: what the driver loop (one queue, 32 reads in flight, no
+            // store) misses of fio is the device path's; what the store's reader misses of
+            // it is the store's.
             let spec = Spec {
                 pattern: Pattern::RandRead,
                 io_bytes: 4096,
                 depth: 32,
                 span_bytes: span,
                 duration: Duration::from_secs_f64(secs),
-                seed: 3,
+                seed: 3 + pair as u64,
             };
-            driver::workload::run(&dev, &spec).ok()
-        });
-    // Reads warm caches under a virtual disk (the host's page cache): run ours again after
-    // fio, and report the better of our two runs, so neither side gets the warm device alone.
-    let (s, _) = Store::open(
-        FileDevice::open(path, FileOptions::default()).unwrap(),
-        None,
-        StoreConfig::default(),
-    )
-    .unwrap();
-    let ops2 = drive(32, secs, |t, i| {
-        let k = key((i.wrapping_mul(2_654_435_761) ^ (t as u64 * 97)) % n);
-        assert_eq!(s.read(&k, 0, 4096).unwrap().len(), 4096);
-    });
-    let many2 = {
-        let mut r = s.reader().unwrap();
-        let mut out = Vec::new();
-        let (mut i, mut done, t0) = (7u64, 0u64, Instant::now());
-        while t0.elapsed().as_secs_f64() < secs {
-            while r.on_device() < 32 {
-                r.submit(&key(i.wrapping_mul(2_654_435_761) % n), 0, 4096, i)
-                    .unwrap();
-                i += 1;
-            }
-            r.poll_min(&mut out, batch).unwrap();
-            done += out
-                .drain(..)
-                .map(|(_, res)| res.map(|b| b.len()).unwrap_or(0))
-                .filter(|&l| l == 4096)
-                .count() as u64;
-        }
-        done as f64 / t0.elapsed().as_secs_f64()
-    };
-    drop(s);
-    let (ops, many) = (ops.max(ops2), many.max(many2));
-    println!("\n## 4 KiB reads of {n} objects, 32 readers vs fio randread 4K QD32");
-    println!(
-        "  store, 32 threads × 1   {:>9.0} reads/s   ratio {}",
-        ops,
-        ratio(ops, f.as_ref().map(|r| r.iops()))
-    );
-    println!(
-        "  store, 1 thread, 32 in flight {:>9.0} reads/s   ratio {} (goal ≥ 0.9x)",
-        many,
-        ratio(many, f.as_ref().map(|r| r.iops()))
-    );
-    if let Some(r) = &raw {
+            let drv = raw
+                .as_ref()
+                .and_then(|dev| driver::workload::run(dev, &spec).ok());
+            (f, disk, drv)
+        };
+        let ((sync, one, cpu_note, disk_ours), (f, disk_fio, drv)) = if pair % 2 == 0 {
+            let st = store_side(pair as u64);
+            (st, fio_side())
+        } else {
+            let fi = fio_side();
+            (store_side(pair as u64), fi)
+        };
         println!(
-            "  driver loop, no store, 32 in flight {:>9.0} reads/s   ratio {} ({:.1} µs of CPU per \
-             read; the store's reader: {} of it)",
-            r.iops(),
-            ratio(r.iops(), f.as_ref().map(|r| r.iops())),
-            r.cpu_us_per_io,
-            ratio(many, Some(r.iops()))
+            "  pair {}: store 32 threads {sync:>7.0}/s ({})   1 thread {one:>7.0}/s ({}; {cpu_note})   \
+             fio {:>7.0} IOPS   driver loop {:>7.0}/s ({}; {:.1} µs of CPU per read)",
+            pair + 1,
+            ratio(sync, f),
+            ratio(one, f),
+            f.unwrap_or(0.0),
+            drv.as_ref().map_or(0.0, |d| d.iops()),
+            ratio(drv.as_ref().map_or(0.0, |d| d.iops()), f),
+            drv.as_ref().map_or(0.0, |d| d.cpu_us_per_io),
         );
+        print_disk(&disk_ours, &disk_fio);
+        if let Some(f) = f.filter(|&f| f > 0.0) {
+            sync_r.push(sync / f);
+            one_r.push(one / f);
+            if let Some(d) = &drv {
+                raw_r.push(d.iops() / f);
+            }
+        }
     }
     println!(
-        "  fio randread QD32       {:>9.0} IOPS",
-        f.as_ref().map_or(0.0, |r| r.iops())
+        "  median store, 32 threads × 1          ratio {:.2}x (goal ≥ 0.9x)",
+        median(&sync_r)
     );
-    print_disk(&disk_ours, &disk_fio);
+    println!(
+        "  median store, 1 thread, 32 in flight  ratio {:.2}x (goal ≥ 0.9x)",
+        median(&one_r)
+    );
+    println!(
+        "  median driver loop, no store          ratio {:.2}x",
+        median(&raw_r)
+    );
 }
 
 /// `NVSTORE_BENCH_ONLY=read-knobs`: the async reader's poll settings compared in one process
