@@ -433,34 +433,12 @@ fn small_reads(path: &Path, size: u64, secs: f64, pairs: usize, quick: bool) {
     for pair in 0..pairs {
         let store_side = |seed: u64| {
             let disk = DiskPhase::start(path);
-            let sync = drive(32, secs, |t, i| {
-                let k = key((i.wrapping_mul(2_654_435_761) ^ (t as u64 * 97 + seed)) % n);
-                assert_eq!(s.read(&k, 0, 4096).unwrap().len(), 4096);
-            });
-            let mut r = s.reader().unwrap();
-            let mut out = Vec::new();
-            let (mut i, mut done) = (seed * 7_777_777, 0u64);
-            let t0 = Instant::now();
-            let cpu0 = driver::workload::thread_cpu_time();
-            while t0.elapsed().as_secs_f64() < secs {
-                while r.on_device() < 32 {
-                    r.submit(&key(i.wrapping_mul(2_654_435_761) % n), 0, 4096, i)
-                        .unwrap();
-                    i += 1;
-                }
-                r.poll_min(&mut out, batch).unwrap();
-                for (_, res) in out.drain(..) {
-                    assert_eq!(res.unwrap().len(), 4096);
-                    done += 1;
-                }
-            }
-            let cpu = driver::workload::thread_cpu_time() - cpu0;
-            let wall = t0.elapsed().as_secs_f64();
-            let one = done as f64 / wall;
+            let sync = sync_readers(&s, n, secs, seed);
+            let (one, cpu_per_read, busy) = reader_loop(&s, n, secs, seed, batch, 4);
             let cpu_note = format!(
                 "{:.1} µs of CPU per read, {:.0} % of a core",
-                cpu.as_secs_f64() * 1e6 / done.max(1) as f64,
-                cpu.as_secs_f64() * 100.0 / wall
+                cpu_per_read * 1e6,
+                busy * 100.0
             );
             (sync, one, cpu_note, disk.and_then(|d| d.finish()))
         };
@@ -525,6 +503,49 @@ fn small_reads(path: &Path, size: u64, secs: f64, pairs: usize, quick: bool) {
     );
 }
 
+/// Reads/s of 32 threads each reading one random 4 KiB object of `0..n` at a time
+/// (`Store::read`) for `secs`.
+fn sync_readers(s: &Store<FileDevice>, n: u64, secs: f64, seed: u64) -> f64 {
+    drive(32, secs, |t, i| {
+        let k = key((i.wrapping_mul(2_654_435_761) ^ (t as u64 * 97 + seed)) % n);
+        assert_eq!(s.read(&k, 0, 4096).unwrap().len(), 4096);
+    })
+}
+
+/// One thread keeping 32 random 4 KiB reads of `0..n` on the device through the async
+/// `Reader` for `secs`, each poll waiting for `batch` completions and taking at most `reap`:
+/// (reads/s, CPU seconds per read, share of a core busy).
+fn reader_loop(
+    s: &Store<FileDevice>,
+    n: u64,
+    secs: f64,
+    seed: u64,
+    batch: usize,
+    reap: usize,
+) -> (f64, f64, f64) {
+    let mut r = s.reader().unwrap();
+    r.set_reap_max(reap);
+    let mut out = Vec::new();
+    let (mut i, mut done) = (seed * 7_777_777, 0u64);
+    let t0 = Instant::now();
+    let cpu0 = driver::workload::thread_cpu_time();
+    while t0.elapsed().as_secs_f64() < secs {
+        while r.on_device() < 32 {
+            r.submit(&key(i.wrapping_mul(2_654_435_761) % n), 0, 4096, i)
+                .unwrap();
+            i += 1;
+        }
+        r.poll_min(&mut out, batch).unwrap();
+        for (_, res) in out.drain(..) {
+            assert_eq!(res.unwrap().len(), 4096);
+            done += 1;
+        }
+    }
+    let cpu = (driver::workload::thread_cpu_time() - cpu0).as_secs_f64();
+    let wall = t0.elapsed().as_secs_f64();
+    (done as f64 / wall, cpu / done.max(1) as f64, cpu / wall)
+}
+
 /// `NVSTORE_BENCH_ONLY=read-knobs`: the async reader's poll settings compared in one process
 /// (see the module docs).
 fn read_knobs(path: &Path, size: u64, quick: bool) {
@@ -570,30 +591,11 @@ fn read_knobs(path: &Path, size: u64, quick: bool) {
         }
         for k in order {
             let (batch, reap) = knobs[k];
-            let mut r = s.reader().unwrap();
-            r.set_reap_max(reap);
-            let mut out = Vec::new();
-            let (mut i, mut done, t0) = (round * 7_777_777, 0u64, Instant::now());
-            while t0.elapsed().as_secs_f64() < secs {
-                while r.on_device() < 32 {
-                    r.submit(&key(i.wrapping_mul(2_654_435_761) % n), 0, 4096, i)
-                        .unwrap();
-                    i += 1;
-                }
-                r.poll_min(&mut out, batch).unwrap();
-                for (_, res) in out.drain(..) {
-                    assert_eq!(res.unwrap().len(), 4096);
-                    done += 1;
-                }
-            }
-            let ratio = done as f64 / t0.elapsed().as_secs_f64() / base;
+            let ratio = reader_loop(&s, n, secs, round, batch, reap).0 / base;
             cols[k].push(ratio);
             line += &format!("   {batch}:{reap} {ratio:.3}");
         }
-        let sync = drive(32, secs, |t, i| {
-            let k = key((i.wrapping_mul(2_654_435_761) ^ (t as u64 * 97 + round)) % n);
-            assert_eq!(s.read(&k, 0, 4096).unwrap().len(), 4096);
-        }) / base;
+        let sync = sync_readers(&s, n, secs, round) / base;
         cols[knobs.len()].push(sync);
         println!("{line}   32 threads {sync:.3}");
     }
