@@ -449,14 +449,7 @@ fn small_reads(path: &Path, size: u64, secs: f64, pairs: usize, quick: bool) {
             // Where the gap lies: what the driver loop (one queue, 32 reads in flight, no
             // store) misses of fio is the device path's; what the store's reader misses of
             // it is the store's.
-            let spec = Spec {
-                pattern: Pattern::RandRead,
-                io_bytes: 4096,
-                depth: 32,
-                span_bytes: span,
-                duration: Duration::from_secs_f64(secs),
-                seed: 3 + pair as u64,
-            };
+            let spec = qd32_reads(span, secs, 3 + pair as u64);
             let drv = raw
                 .as_ref()
                 .and_then(|dev| driver::workload::run(dev, &spec).ok());
@@ -501,6 +494,19 @@ fn small_reads(path: &Path, size: u64, secs: f64, pairs: usize, quick: bool) {
         "  median driver loop, no store          ratio {:.2}x",
         median(&raw_r)
     );
+}
+
+/// The driver loop's workload beside the 4 KiB read phases: random 4 KiB reads at QD32 over
+/// the first `span` bytes.
+fn qd32_reads(span: u64, secs: f64, seed: u64) -> Spec {
+    Spec {
+        pattern: Pattern::RandRead,
+        io_bytes: 4096,
+        depth: 32,
+        span_bytes: span,
+        duration: Duration::from_secs_f64(secs),
+        seed,
+    }
 }
 
 /// Reads/s of 32 threads each reading one random 4 KiB object of `0..n` at a time
@@ -573,15 +579,7 @@ fn read_knobs(path: &Path, size: u64, quick: bool) {
     // Ratios to each round's driver loop: one column per setting, then 32 synchronous readers.
     let mut cols: Vec<Vec<f64>> = vec![Vec::new(); knobs.len() + 1];
     for round in 0..rounds {
-        let spec = Spec {
-            pattern: Pattern::RandRead,
-            io_bytes: 4096,
-            depth: 32,
-            span_bytes: span,
-            duration: Duration::from_secs_f64(secs),
-            seed: 3 + round,
-        };
-        let base = driver::workload::run(&raw, &spec)
+        let base = driver::workload::run(&raw, &qd32_reads(span, secs, 3 + round))
             .expect("driver loop")
             .iops();
         let mut line = format!("  round {round:>2}: driver {base:>7.0}/s");
