@@ -395,8 +395,9 @@ fn small_puts(path: &Path, size: u64, secs: f64) {
 /// reads in flight through the async `Reader` (what a node's op worker does), vs fio randread
 /// 4K QD32 on the span of the file the store wrote, with the driver's own loop on the same
 /// span as a third row. The host's disk drifts from minute to minute (single runs swing
-/// ±8 %): store and fio alternate `pairs` times — the store first in even pairs, fio and the
-/// driver loop first in odd ones — and the goal rows are the medians of the per-pair ratios.
+/// ±8 %): store and fio alternate `pairs` times — the store first in pairs 1, 3, … (as
+/// printed), fio and the driver loop first in pairs 2, 4, … — and the goal rows are the
+/// medians of the per-pair ratios.
 fn small_reads(path: &Path, size: u64, secs: f64, pairs: usize, quick: bool) {
     let (s, _dev) = fresh(path, size, false);
     let n = if quick { 5_000 } else { 200_000 };
