@@ -483,17 +483,25 @@ fn small_reads(path: &Path, size: u64, secs: f64, pairs: usize, quick: bool) {
             }
         }
     }
+    // Medians of the ratios ("-" when fio gave no figure).
+    let med = |v: &[f64]| {
+        if v.is_empty() {
+            "-".to_string()
+        } else {
+            format!("{:.2}x", median(v))
+        }
+    };
     println!(
-        "  median store, 32 threads × 1          ratio {:.2}x (goal ≥ 0.9x)",
-        median(&sync_r)
+        "  median store, 32 threads × 1          ratio {} (goal ≥ 0.9x)",
+        med(&sync_r)
     );
     println!(
-        "  median store, 1 thread, 32 in flight  ratio {:.2}x (goal ≥ 0.9x)",
-        median(&one_r)
+        "  median store, 1 thread, 32 in flight  ratio {} (goal ≥ 0.9x)",
+        med(&one_r)
     );
     println!(
-        "  median driver loop, no store          ratio {:.2}x",
-        median(&raw_r)
+        "  median driver loop, no store          ratio {}",
+        med(&raw_r)
     );
 }
 
