@@ -546,14 +546,13 @@ impl<D: BlockDevice> Shared<D> {
                     }
                 }
                 (None, true) => XattrSrc::None,
-                (None, false) if o.xattr_src.is_some() => match o.xattr_src {
-                    Some(r) if r.len.get() > 0 => XattrSrc::Keep(r),
-                    _ => XattrSrc::None,
-                },
-                (None, false) => match (&o.cur, base) {
-                    (_, Base::Any) => XattrSrc::Current,
-                    (Some(m), _) => XattrSrc::Keep(m.xattrs),
-                    (None, _) => XattrSrc::None,
+                (None, false) => match (o.xattr_src, &o.cur, base) {
+                    // Renamed here: the renamed object's stored map.
+                    (Some(r), ..) if r.len.get() > 0 => XattrSrc::Keep(r),
+                    (Some(_), ..) => XattrSrc::None,
+                    (None, _, Base::Any) => XattrSrc::Current,
+                    (None, Some(m), _) => XattrSrc::Keep(m.xattrs),
+                    (None, None, _) => XattrSrc::None,
                 },
             };
             let cb = self.chunk_bytes;
