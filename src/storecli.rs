@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use clap::{Args, Subcommand};
 use driver::nvme::{NvmeDevice, NvmeOptions};
 use driver::{BlockDevice, FileDevice, FileOptions};
+use store::space::SegState;
 use store::{mkfs, parse_uuid, MkfsOptions, ObjectKey, Store, StoreConfig, Uuid};
 
 type CliResult = Result<ExitCode, Box<dyn std::error::Error>>;
@@ -252,6 +253,22 @@ fn tool<D: BlockDevice + 'static>(s: &Store<D>, cmd: StoreToolCmd) -> CliResult 
                 sp.live_bytes >> 20,
                 sp.dead_bytes >> 20
             );
+            let per: Vec<String> = s
+                .segments()
+                .iter()
+                .enumerate()
+                .map(|(i, u)| {
+                    let pct = u.live_bytes * 100 / sp.segment_bytes.max(1);
+                    match u.state {
+                        SegState::Free => format!("{i}:free"),
+                        SegState::Reserved => format!("{i}:next"),
+                        SegState::Checkpoint { .. } => format!("{i}:ckpt"),
+                        SegState::Log { .. } if u.head => format!("{i}:head {pct}%"),
+                        SegState::Log { .. } => format!("{i}:{pct}%"),
+                    }
+                })
+                .collect();
+            println!("per segment     {} (live %)", per.join(" "));
             println!("objects         {}", s.object_count());
             println!(
                 "index           {:.0} bytes per object",

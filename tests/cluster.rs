@@ -771,8 +771,8 @@ fn a_full_cluster_refuses_writes_with_no_space_keeps_serving_and_recovers_when_i
             .unwrap_or_else(|e| panic!("remove of {name} on the full cluster: {e}"));
     }
     let data = bytes(9000, 1 << 20);
-    common::wait_until("a write fits once objects are removed", || {
-        c.put(pool, b"after-removes", &data).is_ok()
+    common::wait_ok("a write that fits once objects are removed", || {
+        c.put(pool, b"after-removes", &data)
     });
     assert!(c.get(pool, b"after-removes").unwrap() == data);
     for (name, _) in gone {
@@ -785,8 +785,8 @@ fn a_full_cluster_refuses_writes_with_no_space_keeps_serving_and_recovers_when_i
     c.delete_pool("full").unwrap();
     let again = c.create_pool("again", 6, 2, 64 << 10, 8, None).unwrap();
     let data = bytes(8000, 1 << 20);
-    common::wait_until("a write fits once the full pool is deleted", || {
-        c.put(again, b"after", &data).is_ok()
+    common::wait_ok("a write that fits once the full pool is deleted", || {
+        c.put(again, b"after", &data)
     });
     assert!(c.get(again, b"after").unwrap() == data);
 }

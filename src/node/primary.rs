@@ -134,7 +134,7 @@ pub(super) struct Forget {
 const FORGET_PENDING_MAX: usize = 16 << 10;
 
 /// Acknowledged writes a PG's primary holds for settling between batches.
-const SETTLE_PENDING_MAX: usize = 16 << 10;
+pub(super) const SETTLE_PENDING_MAX: usize = 16 << 10;
 /// A range overwritten in place is settled from this many bytes on a shard.
 const SETTLE_RANGE_BYTES_MIN: usize = 64 << 10;
 

@@ -1095,7 +1095,8 @@ impl Node {
 
     /// Send each member of the PGs this node leads the acknowledged writes whose rollback
     /// records it may drop (`PgCache::to_settle`), one SHARD_SETTLE per member and PG. A
-    /// member that does not answer keeps its records (until the object's next write).
+    /// member that does not answer is sent its entries again next time; one that is down
+    /// keeps its records (until the object's next write, or its tombstone is forgotten).
     fn send_settles(&self) {
         let pgs: Vec<((u64, u32), super::primary::ToSettle)> = self
             .pgs
@@ -1136,10 +1137,24 @@ impl Node {
             self.recovery
                 .settles_sent
                 .fetch_add(list.len() as u64, Relaxed);
+            let mut failed = 0u64;
             for (slot, r) in self.fan_out(&ctx, wire::MSG_SHARD_SETTLE, reqs, &local) {
                 if let Err(e) = r {
                     self.recovery.settles_failed.fetch_add(1, Relaxed);
+                    failed |= bit(slot);
                     debug!("pg {pool}.{pg:x}: settling rollback records on slot {slot}: {e}");
+                }
+            }
+            // A member up but not answering (busy, or its reply lost) gets its entries again
+            // next time: a removed object has no next write to drop its records, and the
+            // bytes a remove kept stay held until they are settled. Settling is idempotent
+            // (a member skips an entry whose shard moved on).
+            if failed != 0 {
+                let mut p = pending.lock().unwrap();
+                for (name, version, slots) in list {
+                    if slots & failed != 0 && p.len() < super::primary::SETTLE_PENDING_MAX {
+                        p.push((name, version, slots & failed));
+                    }
                 }
             }
         }

@@ -69,8 +69,7 @@ impl<D: BlockDevice> Cleaner<D> {
             return None;
         }
         let now = self.sh.stats.next_op_seq.get();
-        let head = segs.head;
-        segs.pick_victim(now, &[head])
+        segs.victim(now)
     }
 
     pub(crate) fn run(mut self, stop: Receiver<()>) {
@@ -161,10 +160,23 @@ impl<D: BlockDevice> Cleaner<D> {
             if !m.chunks.iter().chain([&m.xattrs]).any(in_seg) {
                 continue;
             }
-            let take = |r: &ChunkRef| -> Option<Vec<u8>> {
+            let dev = &self.sh.dev;
+            let q = &mut self.q;
+            let mut take = |r: &ChunkRef| -> Option<Vec<u8>> {
                 let at = (r.offset.get() - base) as usize;
                 let bytes = &image[at..at + r.len.get() as usize];
-                // A corrupt chunk is not relocated: scrub and reads report it.
+                if crate::data_crc(bytes) == r.crc.get() {
+                    return Some(bytes.to_vec());
+                }
+                // Written after the image was read (the segment was the log's head, or was
+                // freed and reused since it was picked): read it again before calling it
+                // corrupt. A corrupt chunk is not relocated: scrub and reads report it.
+                let block = layout.block;
+                let start = r.offset.get() / block * block;
+                let end = (r.offset.get() + r.len.get() as u64).div_ceil(block) * block;
+                let again = read_region(dev, q, start, end - start).ok()?;
+                let skip = (r.offset.get() - start) as usize;
+                let bytes = &again[skip..skip + r.len.get() as usize];
                 (crate::data_crc(bytes) == r.crc.get()).then(|| bytes.to_vec())
             };
             let mut chunks = Vec::with_capacity(m.chunks.len());
@@ -215,6 +227,8 @@ impl<D: BlockDevice> Cleaner<D> {
                 }],
                 background: true,
                 room: crate::commit::Room::Normal,
+                moves_from: Some(seg),
+                parked_at: None,
             };
             let moved: u64 = m
                 .chunks

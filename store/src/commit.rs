@@ -181,6 +181,11 @@ pub(crate) struct Prepared {
     pub background: bool,
     /// How far into the reserve it may go.
     pub room: Room,
+    /// The segment whose live data it relocates (the cleaner's victim): never placed there.
+    pub moves_from: Option<u32>,
+    /// When it first waited for the cleaner to free space (a retried transaction keeps it, so
+    /// [`SPACE_WAIT_MAX`] bounds its whole wait).
+    pub parked_at: Option<Instant>,
 }
 
 /// How far into the store's reserve a foreground transaction may go (the cleaner's own
@@ -380,10 +385,25 @@ pub(crate) struct Committer<D: BlockDevice> {
     /// not show their new state yet).
     keys_in_flight: HashSet<ObjectKey>,
     round_id: u64,
-    /// Transactions waiting for the cleaner to free space, and the free count when they parked.
-    space_waiters: Vec<(Box<Prepared>, Reply, Instant)>,
-    space_free_at_park: u64,
+    /// Transactions waiting for the cleaner to free space, and what they are retried on.
+    space_waiters: Vec<(Box<Prepared>, Reply)>,
+    space_retry: SpaceRetry,
 }
+
+/// When parked transactions are checked again: once a segment was freed or a round started
+/// since the last of them parked (a transaction checked after others in the same round
+/// counted their bytes too, and the log head moves: it may fit now), and at least every
+/// [`SPACE_RETRY_PERIOD`] — a checkpoint can free segments and take one in the same step,
+/// and a waiter whose space nothing can reclaim any more must get its error, not wait on.
+#[derive(Clone, Copy)]
+struct SpaceRetry {
+    frees: u64,
+    round: u64,
+    at: Instant,
+}
+
+/// The longest a transaction waiting for space goes without being checked again.
+const SPACE_RETRY_PERIOD: Duration = Duration::from_millis(250);
 
 pub(crate) fn now_ns() -> u64 {
     SystemTime::now()
@@ -430,7 +450,11 @@ impl<D: BlockDevice> Committer<D> {
             failed: None,
             durable_through,
             space_waiters: Vec::new(),
-            space_free_at_park: 0,
+            space_retry: SpaceRetry {
+                frees: 0,
+                round: 0,
+                at: Instant::now(),
+            },
             inflight: VecDeque::new(),
             keys_in_flight: HashSet::new(),
             round_id: 0,
@@ -564,18 +588,18 @@ impl<D: BlockDevice> Committer<D> {
         Ok(())
     }
 
-    /// Requeue parked transactions once segments were freed; fail those that waited too long.
+    /// Requeue parked transactions when [`SpaceRetry`] says; fail those that waited too long.
     fn retry_space_waiters(&mut self) {
         if self.space_waiters.is_empty() {
             return;
         }
-        let free = self.sh.segs.lock().unwrap().free_count();
+        let frees = self.sh.segs.lock().unwrap().frees;
         let now = Instant::now();
-        let progressed = free > self.space_free_at_park;
-        for (t, r, since) in std::mem::take(&mut self.space_waiters) {
-            if progressed {
-                self.deferred.push_back((t, r));
-            } else if now.duration_since(since) > SPACE_WAIT_MAX {
+        let r = self.space_retry;
+        let progressed = frees != r.frees || self.round_id != r.round || now >= r.at;
+        for (t, r) in std::mem::take(&mut self.space_waiters) {
+            let since = t.parked_at.unwrap_or(now);
+            if now.duration_since(since) > SPACE_WAIT_MAX {
                 drop(t);
                 let segs = self.sh.segs.lock().unwrap();
                 let rep = segs.report(segs.replay_start);
@@ -586,8 +610,10 @@ impl<D: BlockDevice> Committer<D> {
                     reclaimable: rep.segments_reclaimable,
                     reserve: rep.segments_reserve,
                 }));
+            } else if progressed {
+                self.deferred.push_back((t, r));
             } else {
-                self.space_waiters.push((t, r, since));
+                self.space_waiters.push((t, r));
             }
         }
     }
@@ -596,7 +622,7 @@ impl<D: BlockDevice> Committer<D> {
         while !self.inflight.is_empty() && self.failed.is_none() {
             self.progress(true);
         }
-        for (t, r, _) in std::mem::take(&mut self.space_waiters) {
+        for (t, r) in std::mem::take(&mut self.space_waiters) {
             drop(t);
             r.send(TxnResult::Failed(StoreError::Closed));
         }
@@ -724,9 +750,14 @@ impl<D: BlockDevice> Committer<D> {
                     reply.send(res);
                 }
                 Err(CheckErr::WaitSpace) => {
-                    let free = self.sh.segs.lock().unwrap().free_count();
-                    self.space_free_at_park = free;
-                    self.space_waiters.push((txn, reply, Instant::now()));
+                    let mut txn = txn;
+                    txn.parked_at.get_or_insert_with(Instant::now);
+                    self.space_retry = SpaceRetry {
+                        frees: self.sh.segs.lock().unwrap().frees,
+                        round: self.round_id,
+                        at: Instant::now() + SPACE_RETRY_PERIOD,
+                    };
+                    self.space_waiters.push((txn, reply));
                 }
             }
         }
@@ -780,14 +811,19 @@ impl<D: BlockDevice> Committer<D> {
             }
             cur.push(now);
         }
-        let segs = self.sh.segs.lock().unwrap();
+        let mut segs = self.sh.segs.lock().unwrap();
         let layout = self.log.layout;
         // Usable bytes per segment, less the tail a batch may leave unused when it moves on.
         let usable = layout.segment_bytes - layout.block - (64 * 1024 + 2 * layout.block);
         let bytes = need + txn_bytes(txn) + 4096;
-        let here = layout
-            .segment_bytes
-            .saturating_sub(self.log.pos.off.max(layout.block) + 64 * 1024);
+        // A relocation out of the head opens the next segment (`StreamHead::move_on`).
+        let here = if txn.moves_from == Some(self.log.pos.seg) && self.log.pos.off > 0 {
+            0
+        } else {
+            layout
+                .segment_bytes
+                .saturating_sub(self.log.pos.off.max(layout.block) + 64 * 1024)
+        };
         // Each segment the round moves into allocates its own successor.
         let segments = bytes.saturating_sub(here).div_ceil(usable);
         // Keep room for a checkpoint: without one, segments the cleaner emptied stay pinned.
@@ -815,17 +851,38 @@ impl<D: BlockDevice> Committer<D> {
             segs.reserve.max(ckpt + 2)
         };
         let fits = segs.free_count() >= segments + floor;
+        if !fits && segments > 0 && !txn.background {
+            // The head has no room for this writer, and no segment may be opened for it: the
+            // cleaner may now take the head ([`crate::space::Segments::victim`]).
+            segs.head_full = true;
+        }
         if !fits {
             let mut r = segs.report(self.sb.replay_batch_seq.get());
             r.segments_reclaimable = segs.pinned_dead(self.sb.replay_batch_seq.get());
             // The cleaner has something to reclaim (a segment with dead data, or dead segments
             // waiting for a checkpoint): wait for it instead of failing.
-            let head = self.log.pos.seg;
-            let cleanable =
-                segs.pick_victim(self.next_op_seq, &[head]).is_some() || r.segments_reclaimable > 0;
+            let cleanable = segs.victim(self.next_op_seq).is_some() || r.segments_reclaimable > 0;
             if self.sh.config.cleaner && !txn.background && cleanable {
+                tracing::debug!(
+                    free = segs.free_count(),
+                    segments,
+                    floor,
+                    reclaimable = r.segments_reclaimable,
+                    ?room,
+                    "transaction waits for the cleaner"
+                );
                 return Err(CheckErr::WaitSpace);
             }
+            tracing::debug!(
+                free = segs.free_count(),
+                segments,
+                floor,
+                bytes,
+                here,
+                ?room,
+                background = txn.background,
+                "transaction refused: out of space"
+            );
             return Err(CheckErr::Reply(TxnResult::Failed(StoreError::OutOfSpace {
                 device: self.sh.name.clone(),
                 used: r.segments_total - r.segments_free,
@@ -840,7 +897,7 @@ impl<D: BlockDevice> Committer<D> {
     /// Lay the round out as batches at the log head and submit the writes.
     fn write_round(&mut self, acc: &mut [Accepted]) -> Result<()> {
         let block = self.log.layout.block;
-        let min_room = 64 * 1024 + 2 * block;
+        let min_room = crate::space::HEAD_ROOM_MIN_DATA + 2 * block;
         let cap_max = self.sh.config.batch_bytes_max;
         let mut items: Vec<Item> = Vec::new();
         let mut recs: Vec<usize> = Vec::new();
@@ -848,13 +905,21 @@ impl<D: BlockDevice> Committer<D> {
         let room = |log: &StreamHead| {
             let off = log.pos.off.max(block);
             let left = log.layout.segment_bytes - off;
-            let left = if left < min_room {
+            let left = if left < min_room || log.move_on {
                 log.layout.segment_bytes - block
             } else {
                 left
             };
             left.min(cap_max)
         };
+        // Relocations out of the head: the round starts in the next segment.
+        if self.log.pos.off > 0
+            && acc
+                .iter()
+                .any(|a| a.txn.moves_from == Some(self.log.pos.seg))
+        {
+            self.log.move_on = true;
+        }
         let mut cap = room(&self.log);
         for t in 0..acc.len() {
             let mut txn_items: Vec<(usize, usize, usize)> = Vec::new();
@@ -1277,6 +1342,7 @@ impl<D: BlockDevice> Committer<D> {
                 next_seg: NO_SEGMENT,
             },
             use_reserve: true,
+            move_on: false,
         };
         self.ckpt = Some(Checkpointing {
             id,

@@ -228,6 +228,21 @@ impl<D: BlockDevice + 'static> Store<D> {
         segs.report(start)
     }
 
+    /// Each segment's state and live bytes, in segment order (the cleaner's view: what it
+    /// could reclaim, and where).
+    pub fn segments(&self) -> Vec<space::SegmentUsage> {
+        let segs = self.sh.segs.lock().unwrap();
+        segs.infos
+            .iter()
+            .enumerate()
+            .map(|(i, info)| space::SegmentUsage {
+                state: info.state,
+                live_bytes: info.live_bytes,
+                head: i as u32 == segs.head,
+            })
+            .collect()
+    }
+
     /// Objects in the index.
     pub fn object_count(&self) -> usize {
         self.sh.index.len()

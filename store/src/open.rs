@@ -585,6 +585,7 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
     }
     segs.set_replay_start(sb.replay_batch_seq.get(), replay_seg);
     segs.head = head.seg;
+    segs.head_full = crate::space::head_is_full(layout.segment_bytes, layout.block, head.off);
     // Skipped batches held op sequences replay never saw; hand out none of them again (a
     // batch holds one round's transactions at most).
     let next_op_seq = sb.next_op_seq.get().max(max_seq + 1)
@@ -620,6 +621,7 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
         pos: head,
         // The commit thread's admission check enforces the reserve; placement may use it.
         use_reserve: true,
+        move_on: false,
     };
     let committer = Committer::new(sh.clone(), log, sb, next_op_seq)?;
     let (user_tx, user_rx) = crossbeam::channel::unbounded();

@@ -62,6 +62,24 @@ pub struct SpaceReport {
     pub dead_bytes: u64,
 }
 
+/// Whether a log head at `off` in its segment is full: less room left than the commit
+/// thread needs to start a batch there (64 KiB and two blocks), so its next round moves on.
+pub fn head_is_full(segment_bytes: u64, block: u64, off: u64) -> bool {
+    off > 0 && segment_bytes.saturating_sub(off) < HEAD_ROOM_MIN_DATA + 2 * block
+}
+
+/// The room (besides two blocks) a round wants at the log head to start a batch there.
+pub const HEAD_ROOM_MIN_DATA: u64 = 64 * 1024;
+
+/// One segment's state and live bytes ([`crate::Store::segments`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentUsage {
+    pub state: SegState,
+    pub live_bytes: u64,
+    /// The log's open segment (the cleaner never picks it).
+    pub head: bool,
+}
+
 pub struct Segments {
     pub infos: Vec<SegInfo>,
     free: BTreeSet<u32>,
@@ -74,6 +92,11 @@ pub struct Segments {
     pub replay_seg: u32,
     /// The log's open segment.
     pub head: u32,
+    /// The open segment has less room left than a round needs to start a batch in it
+    /// ([`head_is_full`]): the next round moves on, so the cleaner may take it as a victim.
+    pub head_full: bool,
+    /// How many times a segment was freed (waiters for space look again when it moves).
+    pub frees: u64,
     /// Per segment: how often it was taken for new writes (the read cache's generations).
     pub gens: Arc<[AtomicU32]>,
 }
@@ -96,6 +119,8 @@ impl Segments {
             replay_start: 0,
             replay_seg: u32::MAX,
             head: u32::MAX,
+            head_full: false,
+            frees: 0,
             gens: crate::cache::generations(count),
         }
     }
@@ -116,6 +141,7 @@ impl Segments {
             "segment state"
         );
         if state == SegState::Free {
+            self.frees += 1;
             self.free.insert(seg);
         } else {
             self.free.remove(&seg);
@@ -234,6 +260,19 @@ impl Segments {
         }
     }
 
+    /// The cleaner's victim ([`Segments::pick_victim`]), skipping the open head unless it is
+    /// full. A full head is as sealed as any other segment: relocating its live data moves the
+    /// log on. Were it skipped, the dead data of a head that filled while the store was at its
+    /// floor could never be reclaimed — every other segment nearly all live, no foreground
+    /// write allowed to open the next segment, and nothing left for the cleaner to clean.
+    pub fn victim(&self, now_seq: u64) -> Option<u32> {
+        if self.head_full {
+            self.pick_victim(now_seq, &[])
+        } else {
+            self.pick_victim(now_seq, &[self.head])
+        }
+    }
+
     /// Cost-benefit victim choice (Rosenblum & Ousterhout): maximise (1-u)·age / (1+u) over
     /// sealed log segments, where u is the live fraction and age is how many ops ago the
     /// newest data in it was written. Skips `exclude` (the open head) and empty-of-live ones
@@ -308,6 +347,23 @@ mod tests {
         assert!(matches!(s.infos[seg as usize].state, SegState::Log { .. }));
         s.set_replay_start(7, 3);
         assert_eq!(s.reclaim(99), 1);
+    }
+
+    #[test]
+    fn a_full_head_may_be_the_victim() {
+        let mut s = Segments::new(10, 1000);
+        for (seg, live) in [(0u32, 990u64), (1, 100)] {
+            s.set_state(seg, SegState::Log { max_batch_seq: 1 });
+            s.add_live(seg, live, 10);
+        }
+        s.head = 1;
+        assert_eq!(
+            s.victim(100),
+            None,
+            "the open head is skipped, the other is all live"
+        );
+        s.head_full = true;
+        assert_eq!(s.victim(100), Some(1), "a full head is cleanable");
     }
 
     #[test]

@@ -993,6 +993,9 @@ pub struct StreamHead {
     pub gen: u32,
     pub pos: Pos,
     pub use_reserve: bool,
+    /// The next batch opens the next segment, however much room is left in this one (the
+    /// cleaner relocates this segment's live data: it must land elsewhere).
+    pub move_on: bool,
 }
 
 impl StreamHead {
@@ -1024,7 +1027,7 @@ impl StreamHead {
             "batch of {bytes} bytes cannot fit a segment"
         );
         let mut header = None;
-        if self.pos.off != 0 && self.pos.off + bytes > self.layout.segment_bytes {
+        if self.pos.off != 0 && (self.move_on || self.pos.off + bytes > self.layout.segment_bytes) {
             self.pos = Pos {
                 seg: self.pos.next_seg,
                 off: 0,
@@ -1056,9 +1059,18 @@ impl StreamHead {
         );
         self.pos.off += bytes;
         self.pos.batch_seq += 1;
+        self.move_on = false;
         if self.kind == crate::format::SEGMENT_LOG {
             segs.note_batch(self.pos.seg, self.pos.batch_seq - 1);
             segs.head = self.pos.seg;
+            // A new head starts with room; one a writer found too full for it stays so until
+            // the log moves on.
+            segs.head_full = (segs.head_full && header.is_none())
+                || crate::space::head_is_full(
+                    self.layout.segment_bytes,
+                    self.layout.block,
+                    self.pos.off,
+                );
         }
         Ok(Placement {
             offset,

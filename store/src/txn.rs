@@ -749,6 +749,8 @@ impl<D: BlockDevice> Shared<D> {
             muts,
             background: false,
             room: crate::commit::Room::Normal,
+            moves_from: None,
+            parked_at: None,
         })
     }
 }

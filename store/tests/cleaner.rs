@@ -232,3 +232,103 @@ fn a_full_store_takes_removes_and_then_writes_again() {
         );
     }
 }
+
+/// The dead data of a full log head comes back. A store at the floor it keeps for writes,
+/// whose sealed segments are all nearly all live and whose head filled with overwritten
+/// versions of one object: no write may open the next segment, and the only dead data is in
+/// the head. The cleaner takes the full head as its victim (relocating the live version moves
+/// the log on), so a write that waits for it goes in — where a cleaner that never cleans the
+/// head left the store refusing every write for good.
+#[test]
+fn the_dead_data_of_a_full_log_head_is_reclaimed() {
+    let dev = SimDevice::new(
+        SimConfig {
+            capacity_blocks: 16 * 256,
+            ..SimConfig::default()
+        },
+        0x4ead,
+    );
+    let opts = MkfsOptions {
+        segment_bytes: 1 << 20,
+        ..mkfs_opts()
+    };
+    mkfs(&dev, &opts).unwrap();
+    let off = StoreConfig {
+        cleaner: false,
+        ..StoreConfig::default()
+    };
+    let (s, _) = Store::open(dev.clone(), Some(FSID), off).unwrap();
+    // As on any store that has run a while, a checkpoint holds a segment (the next one, which
+    // frees the cleaned head, replaces it).
+    s.write_full(&key("first"), b"x").unwrap();
+    s.checkpoint().unwrap();
+    let seg = s.space().segment_bytes;
+    let reserve = s.space().segments_reserve;
+    let head = |s: &Store<SimDevice>| {
+        let segs = s.segments();
+        let i = segs.iter().position(|u| u.head).unwrap();
+        (i, segs[i].live_bytes)
+    };
+    // Two 500 KiB objects fill a 1 MiB segment (98 % live) and leave its head full. Stop one
+    // segment above the floor, with the head full of live data.
+    let big = 500 << 10;
+    let mut n = 0u64;
+    loop {
+        s.write_full(&key(&format!("big{n}")), &data(n, big))
+            .unwrap_or_else(|e| panic!("big{n}: {e}"));
+        n += 1;
+        let (_, live) = head(&s);
+        if s.space().segments_free == reserve + 1 && live * 100 >= seg * 95 {
+            break;
+        }
+        assert!(n < 64, "never one segment above the floor with a full head");
+    }
+    // Overwrite one small object: the log moves into the last segment it may open, which
+    // fills with dead versions until a write is refused.
+    let (full_at, _) = head(&s);
+    let small = 32 << 10;
+    let mut v = 0u64;
+    loop {
+        match s.write_full(&key("churn"), &data(1000 + v, small)) {
+            Ok(_) => v += 1,
+            Err(nvstore_store::StoreError::OutOfSpace { .. }) => break,
+            Err(e) => panic!("churn {v}: {e}"),
+        }
+        assert!(v < 1000, "the head never filled");
+    }
+    let v = v - 1; // the last version written
+    let (churn_head, live) = head(&s);
+    assert_ne!(churn_head, full_at, "the churn opened a segment of its own");
+    assert_eq!(
+        live, small as u64,
+        "only the last version is live in the head"
+    );
+    assert_eq!(s.space().segments_free, reserve);
+    for (i, u) in s.segments().iter().enumerate() {
+        if i != churn_head && u.live_bytes > 0 {
+            assert!(u.live_bytes * 100 >= seg * 95, "segment {i}: {u:?}");
+        }
+    }
+    drop(s);
+    // With the cleaner: a write waits for it, then goes in.
+    let (s, _) = Store::open(dev.clone(), Some(FSID), StoreConfig::default()).unwrap();
+    s.write_full(&key("after"), &data(7, big))
+        .expect("a write once the head's dead data is reclaimed");
+    assert_eq!(
+        s.read_vec(&key("after"), 0, big as u64).unwrap(),
+        data(7, big)
+    );
+    assert_eq!(
+        s.read_vec(&key("churn"), 0, small as u64).unwrap(),
+        data(1000 + v, small)
+    );
+    for i in 0..n {
+        let k = key(&format!("big{i}"));
+        assert_eq!(
+            s.read_vec(&k, 0, big as u64).unwrap(),
+            data(i, big),
+            "big{i}"
+        );
+    }
+    assert!(s.scrub().corrupt.is_empty());
+}

@@ -22,7 +22,84 @@ pub struct Harness {
 
 impl Drop for Harness {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            print_store_metrics(self._dir.path());
+        }
         let _ = self.lc.down();
+        if std::thread::panicking() {
+            print_log_tails(self._dir.path());
+            if std::env::var_os("NVSTORE_TEST_KEEP").is_some() {
+                let dir = self._dir.path().to_path_buf();
+                // Replace the guard with one that no longer owns the directory.
+                let _ = std::mem::replace(&mut self._dir, tempfile::tempdir().unwrap()).keep();
+                eprintln!(
+                    "NVSTORE_TEST_KEEP: the cluster's directory is kept: {}",
+                    dir.display()
+                );
+            }
+        }
+    }
+}
+
+/// A failed test's evidence, taken before the cluster goes down: each running node's store,
+/// space and recovery counters from its metrics page (`DIR/node.N/metrics.addr`).
+fn print_store_metrics(dir: &Path) {
+    use std::io::{Read, Write};
+    for n in 1..=64 {
+        let Ok(addr) = std::fs::read_to_string(dir.join(format!("node.{n}/metrics.addr"))) else {
+            continue;
+        };
+        let page = std::net::TcpStream::connect(addr.trim()).and_then(|mut s| {
+            s.set_read_timeout(Some(Duration::from_secs(5)))?;
+            write!(s, "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")?;
+            let mut page = String::new();
+            s.read_to_string(&mut page)?;
+            Ok(page)
+        });
+        let Ok(page) = page else {
+            eprintln!("---- node.{n} metrics: not served");
+            continue;
+        };
+        // `nvstore_store_live_bytes{node="1",device="…"} 123` → `store_live_bytes=123`.
+        let rows: Vec<String> = page
+            .lines()
+            .filter(|l| l.starts_with("nvstore_store_") || l.starts_with("nvstore_recovery_"))
+            .filter(|l| !l.ends_with(" 0"))
+            .filter_map(|l| {
+                let (name, value) = l.rsplit_once(' ')?;
+                let name = name.split('{').next()?.trim_start_matches("nvstore_");
+                Some(format!("{name}={value}"))
+            })
+            .collect();
+        eprintln!("---- node.{n} metrics: {}", rows.join(" "));
+    }
+}
+
+/// A failed test's evidence: the end of every member's log (`DIR/*.log`, their stderr), so a
+/// CI failure shows what the monitors and nodes saw. `NVSTORE_TEST_KEEP=1` keeps the whole
+/// directory instead of removing it.
+fn print_log_tails(dir: &Path) {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut logs: Vec<_> = rd
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "log"))
+        .collect();
+    logs.sort();
+    for p in logs {
+        let text = std::fs::read_to_string(&p).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        let tail = &lines[lines.len().saturating_sub(15)..];
+        eprintln!(
+            "---- {} (last {} of {} lines)",
+            p.display(),
+            tail.len(),
+            lines.len()
+        );
+        for l in tail {
+            eprintln!("{l}");
+        }
     }
 }
 
@@ -78,6 +155,21 @@ pub fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     let t = Instant::now();
     while !f() {
         assert!(t.elapsed() < WAIT, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Wait until `f` succeeds; a timeout names the last error it returned.
+pub fn wait_ok<T, E: std::fmt::Display>(what: &str, mut f: impl FnMut() -> Result<T, E>) -> T {
+    let t = Instant::now();
+    loop {
+        match f() {
+            Ok(v) => return v,
+            Err(e) => assert!(
+                t.elapsed() < WAIT,
+                "timed out waiting for {what}; the last error: {e}"
+            ),
+        }
         std::thread::sleep(Duration::from_millis(100));
     }
 }
