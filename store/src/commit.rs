@@ -1388,6 +1388,18 @@ impl<D: BlockDevice> Committer<D> {
                         "checkpoint failed: {why}"
                     ))));
                 }
+                // A device that failed a checkpoint write fails the store's writes as a
+                // failed log write does; the transactions waiting for the segments this
+                // checkpoint was to free get that error now, not `OutOfSpace` in 30 s.
+                if matches!(e, StoreError::Device(_)) {
+                    self.failed = Some(format!("checkpoint write failed: {why}"));
+                    for (t, r) in std::mem::take(&mut self.space_waiters) {
+                        drop(t);
+                        r.send(TxnResult::Failed(StoreError::Invalid(format!(
+                            "the store stopped accepting writes after a device write failed: {why}"
+                        ))));
+                    }
+                }
             }
         }
     }
