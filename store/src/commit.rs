@@ -814,15 +814,17 @@ impl<D: BlockDevice> Committer<D> {
         let mut segs = self.sh.segs.lock().unwrap();
         let layout = self.log.layout;
         // Usable bytes per segment, less the tail a batch may leave unused when it moves on.
-        let usable = layout.segment_bytes - layout.block - (64 * 1024 + 2 * layout.block);
+        let usable = layout.segment_bytes
+            - layout.block
+            - (crate::space::HEAD_ROOM_MIN_DATA + 2 * layout.block);
         let bytes = need + txn_bytes(txn) + 4096;
         // A relocation out of the head opens the next segment (`StreamHead::move_on`).
         let here = if txn.moves_from == Some(self.log.pos.seg) && self.log.pos.off > 0 {
             0
         } else {
-            layout
-                .segment_bytes
-                .saturating_sub(self.log.pos.off.max(layout.block) + 64 * 1024)
+            layout.segment_bytes.saturating_sub(
+                self.log.pos.off.max(layout.block) + crate::space::HEAD_ROOM_MIN_DATA,
+            )
         };
         // Each segment the round moves into allocates its own successor.
         let segments = bytes.saturating_sub(here).div_ceil(usable);

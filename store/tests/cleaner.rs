@@ -105,6 +105,21 @@ fn churn_at_90_percent_full_stays_bounded() {
     assert!(s.scrub().corrupt.is_empty());
 }
 
+/// Label `dev` with 1 MiB segments (a few of them fill quickly) and open it with the cleaner
+/// off, so the test sets up the space it wants.
+fn mkfs_1mib_segments_cleaner_off(dev: &SimDevice) -> Store<SimDevice> {
+    let opts = MkfsOptions {
+        segment_bytes: 1 << 20,
+        ..mkfs_opts()
+    };
+    mkfs(dev, &opts).unwrap();
+    let off = StoreConfig {
+        cleaner: false,
+        ..StoreConfig::default()
+    };
+    Store::open(dev.clone(), Some(FSID), off).unwrap().0
+}
+
 /// A store full of live data refuses writes but still takes removes, even when the removes
 /// need a segment from the reserve (the log head is full) — a full node must be able to drop
 /// a deleted pool's keys — and afterwards takes writes again.
@@ -117,16 +132,7 @@ fn a_full_store_takes_removes_and_then_writes_again() {
         },
         0xf011,
     );
-    let opts = MkfsOptions {
-        segment_bytes: 1 << 20,
-        ..mkfs_opts()
-    };
-    mkfs(&dev, &opts).unwrap();
-    let config = StoreConfig {
-        cleaner: false,
-        ..StoreConfig::default()
-    };
-    let (s, _) = Store::open(dev.clone(), Some(FSID), config).unwrap();
+    let s = mkfs_1mib_segments_cleaner_off(&dev);
     let full = |r: nvstore_store::Result<u64>| match r {
         Ok(_) => false,
         Err(nvstore_store::StoreError::OutOfSpace { .. }) => true,
@@ -247,16 +253,7 @@ fn full_head_store(reorder: bool) -> (SimDevice, u64, u64) {
         },
         0x4ead,
     );
-    let opts = MkfsOptions {
-        segment_bytes: 1 << 20,
-        ..mkfs_opts()
-    };
-    mkfs(&dev, &opts).unwrap();
-    let off = StoreConfig {
-        cleaner: false,
-        ..StoreConfig::default()
-    };
-    let (s, _) = Store::open(dev.clone(), Some(FSID), off).unwrap();
+    let s = mkfs_1mib_segments_cleaner_off(&dev);
     // As on any store that has run a while, a checkpoint holds a segment (the next one, which
     // frees the cleaned head, replaces it).
     s.write_full(&key("first"), b"x").unwrap();
