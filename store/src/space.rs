@@ -76,7 +76,8 @@ pub const HEAD_ROOM_MIN_DATA: u64 = 64 * 1024;
 pub struct SegmentUsage {
     pub state: SegState,
     pub live_bytes: u64,
-    /// The log's open segment (the cleaner never picks it).
+    /// The log's open segment (the cleaner picks it only once it is full:
+    /// [`Segments::victim`]).
     pub head: bool,
 }
 
@@ -93,7 +94,8 @@ pub struct Segments {
     /// The log's open segment.
     pub head: u32,
     /// The open segment has less room left than a round needs to start a batch in it
-    /// ([`head_is_full`]): the next round moves on, so the cleaner may take it as a victim.
+    /// ([`head_is_full`]), or a writer found it too full and no segment may be opened for
+    /// it: the cleaner may take it as a victim. Cleared when the log moves on.
     pub head_full: bool,
     /// How many times a segment was freed (waiters for space look again when it moves).
     pub frees: u64,

@@ -24,19 +24,17 @@ impl Drop for Harness {
     fn drop(&mut self) {
         if std::thread::panicking() {
             print_store_metrics(self._dir.path());
+            print_log_tails(self._dir.path());
         }
         let _ = self.lc.down();
-        if std::thread::panicking() {
-            print_log_tails(self._dir.path());
-            if std::env::var_os("NVSTORE_TEST_KEEP").is_some() {
-                let dir = self._dir.path().to_path_buf();
-                // Replace the guard with one that no longer owns the directory.
-                let _ = std::mem::replace(&mut self._dir, tempfile::tempdir().unwrap()).keep();
-                eprintln!(
-                    "NVSTORE_TEST_KEEP: the cluster's directory is kept: {}",
-                    dir.display()
-                );
-            }
+        if std::thread::panicking() && std::env::var_os("NVSTORE_TEST_KEEP").is_some() {
+            let dir = self._dir.path().to_path_buf();
+            // Replace the guard with one that no longer owns the directory.
+            let _ = std::mem::replace(&mut self._dir, tempfile::tempdir().unwrap()).keep();
+            eprintln!(
+                "NVSTORE_TEST_KEEP: the cluster's directory is kept: {}",
+                dir.display()
+            );
         }
     }
 }
@@ -75,9 +73,10 @@ fn print_store_metrics(dir: &Path) {
     }
 }
 
-/// A failed test's evidence: the end of every member's log (`DIR/*.log`, their stderr), so a
-/// CI failure shows what the monitors and nodes saw. `NVSTORE_TEST_KEEP=1` keeps the whole
-/// directory instead of removing it.
+/// A failed test's evidence, also taken before the cluster goes down (whose connection
+/// noise would fill the tails): the end of every member's log (`DIR/*.log`, their stderr),
+/// so a CI failure shows what the monitors and nodes saw. `NVSTORE_TEST_KEEP=1` keeps the
+/// whole directory instead of removing it.
 fn print_log_tails(dir: &Path) {
     let Ok(rd) = std::fs::read_dir(dir) else {
         return;
