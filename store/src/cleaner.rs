@@ -160,24 +160,17 @@ impl<D: BlockDevice> Cleaner<D> {
             if !m.chunks.iter().chain([&m.xattrs]).any(in_seg) {
                 continue;
             }
-            let dev = &self.sh.dev;
-            let q = &mut self.q;
-            let mut take = |r: &ChunkRef| -> Option<Vec<u8>> {
+            let take = |r: &ChunkRef| -> Option<Vec<u8>> {
                 let at = (r.offset.get() - base) as usize;
                 let bytes = &image[at..at + r.len.get() as usize];
                 if crate::data_crc(bytes) == r.crc.get() {
                     return Some(bytes.to_vec());
                 }
                 // Written after the image was read (the segment was the log's head, or was
-                // freed and reused since it was picked): read it again before calling it
-                // corrupt. A corrupt chunk is not relocated: scrub and reads report it.
-                let block = layout.block;
-                let start = r.offset.get() / block * block;
-                let end = (r.offset.get() + r.len.get() as u64).div_ceil(block) * block;
-                let again = read_region(dev, q, start, end - start).ok()?;
-                let skip = (r.offset.get() - start) as usize;
-                let bytes = &again[skip..skip + r.len.get() as usize];
-                (crate::data_crc(bytes) == r.crc.get()).then(|| bytes.to_vec())
+                // freed and reused since it was picked): read it again (verified) before
+                // calling it corrupt. A corrupt chunk is not relocated: scrub and reads
+                // report it.
+                self.sh.read_ref_vec(r, "cleaner relocation").ok()
             };
             let mut chunks = Vec::with_capacity(m.chunks.len());
             let mut ok = true;

@@ -23,7 +23,7 @@ pub struct Harness {
 impl Drop for Harness {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            print_store_metrics(self._dir.path());
+            print_store_metrics(&self.lc);
             print_log_tails(self._dir.path());
         }
         let _ = self.lc.down();
@@ -40,14 +40,17 @@ impl Drop for Harness {
 }
 
 /// A failed test's evidence, taken before the cluster goes down: each running node's store,
-/// space and recovery counters from its metrics page (`DIR/node.N/metrics.addr`).
-fn print_store_metrics(dir: &Path) {
+/// space and recovery counters from its metrics page.
+fn print_store_metrics(lc: &LocalCluster) {
     use std::io::{Read, Write};
     for n in 1..=64 {
-        let Ok(addr) = std::fs::read_to_string(dir.join(format!("node.{n}/metrics.addr"))) else {
+        if !lc.dir.join(format!("node.{n}")).is_dir() {
+            break;
+        }
+        let Ok(Some(addr)) = lc.metrics_addr(&format!("node.{n}")) else {
             continue;
         };
-        let page = std::net::TcpStream::connect(addr.trim()).and_then(|mut s| {
+        let page = std::net::TcpStream::connect(addr).and_then(|mut s| {
             s.set_read_timeout(Some(Duration::from_secs(5)))?;
             write!(s, "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")?;
             let mut page = String::new();
