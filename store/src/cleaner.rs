@@ -21,6 +21,7 @@ use crate::error::Result;
 use crate::format::{ChunkRef, SEGMENT_LOG};
 use crate::key::ObjectKey;
 use crate::meta::{decode_records, Record};
+use crate::space::{BACKGROUND_LIVE_MAX, VICTIM_LIVE_MAX};
 use crate::stream::{parse_segment_header, read_region};
 use crate::Shared;
 
@@ -61,7 +62,9 @@ impl<D: BlockDevice> Cleaner<D> {
         Ok(Cleaner { sh, bg, q })
     }
 
-    /// Clean while free space is below the target: 2× the reserve plus 5 % of the device.
+    /// Clean while free space is below the target: 2× the reserve plus 5 % of the device —
+    /// in the background only victims at most [`BACKGROUND_LIVE_MAX`] live, and up to
+    /// [`VICTIM_LIVE_MAX`] when writes need the space.
     fn wants_cleaning(&self) -> Option<u32> {
         let segs = self.sh.segs.lock().unwrap();
         let target = segs.reserve * 2 + segs.count() / 20;
@@ -69,7 +72,12 @@ impl<D: BlockDevice> Cleaner<D> {
             return None;
         }
         let now = self.sh.stats.next_op_seq.get();
-        segs.victim(now)
+        let live_max = if segs.writes_need_space() {
+            VICTIM_LIVE_MAX
+        } else {
+            BACKGROUND_LIVE_MAX
+        };
+        segs.victim(now, live_max)
     }
 
     pub(crate) fn run(mut self, stop: Receiver<()>) {

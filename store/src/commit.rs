@@ -752,8 +752,13 @@ impl<D: BlockDevice> Committer<D> {
                 Err(CheckErr::WaitSpace) => {
                     let mut txn = txn;
                     txn.parked_at.get_or_insert_with(Instant::now);
+                    let frees = {
+                        let mut segs = self.sh.segs.lock().unwrap();
+                        segs.last_wait = Some(Instant::now());
+                        segs.frees
+                    };
                     self.space_retry = SpaceRetry {
-                        frees: self.sh.segs.lock().unwrap().frees,
+                        frees,
                         round: self.round_id,
                         at: Instant::now() + SPACE_RETRY_PERIOD,
                     };
@@ -863,7 +868,10 @@ impl<D: BlockDevice> Committer<D> {
             r.segments_reclaimable = segs.pinned_dead(self.sb.replay_batch_seq.get());
             // The cleaner has something to reclaim (a segment with dead data, or dead segments
             // waiting for a checkpoint): wait for it instead of failing.
-            let cleanable = segs.victim(self.next_op_seq).is_some() || r.segments_reclaimable > 0;
+            let cleanable = segs
+                .victim(self.next_op_seq, crate::space::VICTIM_LIVE_MAX)
+                .is_some()
+                || r.segments_reclaimable > 0;
             if self.sh.config.cleaner && !txn.background && cleanable {
                 tracing::debug!(
                     free = segs.free_count(),

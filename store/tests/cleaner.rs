@@ -7,6 +7,7 @@ mod common;
 
 use common::*;
 use driver::{SimConfig, SimDevice};
+use nvstore_store::space::SegState;
 use nvstore_store::{mkfs, MkfsOptions, Store, StoreConfig};
 use rand::{Rng, SeedableRng};
 
@@ -382,4 +383,96 @@ fn a_crash_while_the_full_head_is_reclaimed_loses_nothing() {
         "{points} crash points, finished {finished}"
     );
     eprintln!("{points} crash points × 8 crash seeds");
+}
+
+/// A store near full whose sealed segments are all 80–95 % live, with free segments to spare
+/// above the floor kept for writes: small writes that fit do not set the cleaner relocating
+/// those segments (4 to 19 bytes written per byte freed), though free space is below the
+/// cleaner's target; writes that need the space get it from them, and everything verifies.
+#[test]
+fn highly_live_segments_are_cleaned_only_when_writes_need_the_space() {
+    let dev = SimDevice::new(
+        SimConfig {
+            capacity_blocks: 48 * 256,
+            ..SimConfig::default()
+        },
+        0x11fe,
+    );
+    let opts = MkfsOptions {
+        segment_bytes: 1 << 20,
+        ..mkfs_opts()
+    };
+    mkfs(&dev, &opts).unwrap();
+    let (s, _) = Store::open(dev.clone(), Some(FSID), StoreConfig::default()).unwrap();
+    let space = s.space();
+    let (reserve, seg) = (space.segments_reserve, space.segment_bytes);
+    let target = reserve * 2 + space.segments_total / 20;
+    // 60 KiB objects (16 to a segment) until the free segments are 2 below the cleaner's
+    // target, then a remove of every sixteenth: each sealed segment loses one of its 15 or 16.
+    let obj = 60 << 10;
+    let mut n = 0u64;
+    while s.space().segments_free > target - 2 {
+        s.write_full(&key(&format!("o{n}")), &data(n, obj)).unwrap();
+        n += 1;
+    }
+    let mut t = nvstore_store::Transaction::new();
+    for i in (0..n).step_by(16) {
+        t.remove(key(&format!("o{i}")));
+    }
+    s.commit(t).unwrap();
+    let live = |i: u64| !i.is_multiple_of(16);
+    for u in s.segments() {
+        if matches!(u.state, SegState::Log { .. }) && !u.head {
+            let f = u.live_bytes as f64 / seg as f64;
+            assert!(f > 0.8 && f <= 0.95, "a sealed segment {f:.3} live");
+        }
+    }
+    let free = s.space().segments_free;
+    assert!(
+        free >= reserve + 4 && free < target,
+        "{free} free segments, reserve {reserve}, cleaner's target {target}"
+    );
+    // A trickle of small writes that have room, for 25 of the cleaner's 20 ms looks.
+    for i in 0..25u64 {
+        s.write_full(&key(&format!("s{i}")), &data(1000 + i, 512))
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let st = s.stats();
+    assert_eq!(
+        (st.cleaned_segments, st.relocated_bytes),
+        (0, 0),
+        "the cleaner relocated highly live segments while writes had room ({} free, reserve {reserve})",
+        s.space().segments_free
+    );
+    // Writes that need more than the free segments above the reserve hold: the cleaner
+    // reclaims the dead data of those segments for them.
+    let space = s.space();
+    let want = ((space.segments_free - reserve) * seg + space.dead_bytes / 4) / obj as u64;
+    for i in 0..want {
+        s.write_full(&key(&format!("p{i}")), &data(2000 + i, obj))
+            .unwrap_or_else(|e| panic!("write p{i} of {want}: {e}"));
+    }
+    let st = s.stats();
+    eprintln!(
+        "{n} objects, {want} more written: {} segments cleaned, {} KiB relocated",
+        st.cleaned_segments,
+        st.relocated_bytes >> 10
+    );
+    assert!(st.cleaned_segments > 0, "the writes needed the cleaner");
+    for i in (0..n).filter(|&i| live(i)) {
+        assert_eq!(
+            s.read_vec(&key(&format!("o{i}")), 0, u64::MAX).unwrap(),
+            data(i, obj),
+            "o{i}"
+        );
+    }
+    for i in 0..want {
+        assert_eq!(
+            s.read_vec(&key(&format!("p{i}")), 0, u64::MAX).unwrap(),
+            data(2000 + i, obj),
+            "p{i}"
+        );
+    }
+    assert!(s.scrub().corrupt.is_empty());
 }
