@@ -288,6 +288,59 @@ fn outage_caught_up_by_delta(
     objects
 }
 
+/// A member that took overwrites and went down before the primary settled them (it sends
+/// SHARD_SETTLE every 2 s) is sent the settle once it is back: the old bytes its rollback
+/// records kept go, as on the members that stayed up, instead of staying until each object's
+/// next write.
+#[test]
+fn a_member_down_when_its_writes_were_settled_drops_their_old_bytes_once_back() {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // k + m = 4 nodes: every node holds a shard of every object, all of one size.
+    let h = cluster(4);
+    let c = &h.client;
+    let pool = c.create_pool("s", 2, 2, 4096, 8, None).unwrap();
+    let (n, size) = (24u64, 256usize << 10);
+    let name = |i: u64| format!("obj-{i}");
+    for i in 0..n {
+        c.put(pool, name(i).as_bytes(), &bytes(i, size)).unwrap();
+    }
+    wait_recovered(c, |_| true);
+    // Overwrite them all, then kill a member at once: the settles of at least the last
+    // overwrites cannot have reached it, and it stays down while they are sent again.
+    for i in 0..n {
+        c.put(pool, name(i).as_bytes(), &bytes(1000 + i, size))
+            .unwrap();
+    }
+    let victim = 4u32;
+    h.kill_nodes(&[victim]);
+    // Down across more than one settle round.
+    std::thread::sleep(Duration::from_secs(5));
+    h.lc.start_member(&format!("node.{victim}")).unwrap();
+    wait_up(c, victim, true);
+    wait_recovered(c, |_| true);
+    // Every member then holds the same: one shard of each object's new version (the old
+    // versions' bytes settled), PG log entries and marks.
+    let shard = size as u64 / 2;
+    let mut last = Vec::new();
+    let settled = (0..600).any(|_| {
+        last = (1..=4).map(|id| live_bytes(c, id)).collect::<Vec<u64>>();
+        let others = last[..3].iter().copied().max().unwrap();
+        if last[3] <= others + shard && others <= n * shard * 3 / 2 {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        false
+    });
+    assert!(
+        settled,
+        "live bytes of nodes 1-4 {last:?} after 60 s: node {victim} kept old versions' bytes \
+         (each shard {shard} B, {n} objects)"
+    );
+    for i in 0..n {
+        assert!(c.get(pool, name(i).as_bytes()).unwrap() == bytes(1000 + i, size));
+    }
+}
+
 /// A node stopped while objects are written and started again is caught up from the PG logs:
 /// exactly the objects written meanwhile are rebuilt on it, none by a full scan; then two other
 /// nodes die and everything reads back from the caught-up node and one other.

@@ -204,7 +204,7 @@ impl Node {
             ("recovery", ("marks_refreshed", C, self.recovery.marks_refreshed.load(Relaxed), "Times a PG's member marks were advanced between passes")),
             ("recovery", ("rollbacks_dropped", C, self.recovery.rollbacks_dropped.load(Relaxed), "Rollback records of acknowledged writes dropped here on their primary's word (their old bytes freed)")),
             ("recovery", ("settles_sent", C, self.recovery.settles_sent.load(Relaxed), "Acknowledged writes, led here, whose members were told to drop their rollback records")),
-            ("recovery", ("settles_failed", C, self.recovery.settles_failed.load(Relaxed), "SHARD_SETTLE requests a member did not answer (its records stay until the object's next write)")),
+            ("recovery", ("settles_failed", C, self.recovery.settles_failed.load(Relaxed), "SHARD_SETTLE requests a member did not answer (its entries are sent again at the next pass)")),
             ("recovery", ("forgets_sent", C, self.recovery.forgets_sent.load(Relaxed), "Removes led here whose tombstone every member was told to forget (tombstone_keep_s after the remove; a member down meanwhile is told when back)")),
             ("recovery", ("tombstones_forgotten", C, self.recovery.tombstones_forgotten.load(Relaxed), "Tombstones removed here on their primary's word (index entry and record freed)")),
             ("recovery", ("stale_shards_dropped", C, self.recovery.stale_shards_dropped.load(Relaxed), "Leftover shards removed here on a primary's word: a state older than what a member complete past it knows (a removed object's, a write that never took)")),

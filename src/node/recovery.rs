@@ -1095,8 +1095,10 @@ impl Node {
 
     /// Send each member of the PGs this node leads the acknowledged writes whose rollback
     /// records it may drop (`PgCache::to_settle`), one SHARD_SETTLE per member and PG. A
-    /// member that does not answer is sent its entries again next time; one that is down
-    /// keeps its records (until the object's next write, or its tombstone is forgotten).
+    /// member that does not answer, or is down, is sent its entries again next time (while
+    /// the list is under `SETTLE_PENDING_MAX`): one that went down after taking a write and
+    /// before its settle gets it once it is back, instead of keeping the old bytes until the
+    /// object's next write.
     fn send_settles(&self) {
         let pgs: Vec<((u64, u32), super::primary::ToSettle)> = self
             .pgs
@@ -1113,8 +1115,11 @@ impl Node {
             let Some(ctx) = self.recovery_ctx(pool, pg) else {
                 continue;
             };
+            let down = (0..ctx.n())
+                .filter(|s| ctx.up(*s).is_none())
+                .fold(0u64, |m, s| m | bit(s));
             let reqs: Vec<(usize, Vec<SendBuf>)> = (0..ctx.n())
-                .filter(|s| ctx.up(*s).is_some())
+                .filter(|s| down & bit(*s) == 0)
                 .filter_map(|s| {
                     let mine: Vec<&(Vec<u8>, u64, u64)> =
                         list.iter().filter(|e| e.2 & (1 << s) != 0).collect();
@@ -1134,9 +1139,8 @@ impl Node {
                 self.local_recovery_op(wire::MSG_SHARD_SETTLE, &body)
                     .map(Payload::from_vec)
             };
-            self.recovery
-                .settles_sent
-                .fetch_add(list.len() as u64, Relaxed);
+            let sent = list.iter().filter(|e| e.2 & !down != 0).count();
+            self.recovery.settles_sent.fetch_add(sent as u64, Relaxed);
             let mut failed = 0u64;
             for (slot, r) in self.fan_out(&ctx, wire::MSG_SHARD_SETTLE, reqs, &local) {
                 if let Err(e) = r {
@@ -1145,15 +1149,17 @@ impl Node {
                     debug!("pg {pool}.{pg:x}: settling rollback records on slot {slot}: {e}");
                 }
             }
-            // A member up but not answering (busy, or its reply lost) gets its entries again
-            // next time: a removed object has no next write to drop its records, and the
-            // bytes a remove kept stay held until they are settled. Settling is idempotent
-            // (a member skips an entry whose shard moved on).
-            if failed != 0 {
+            // A member up but not answering (busy, or its reply lost), or down, gets its
+            // entries again next time: a removed object has no next write to drop its
+            // records, and the bytes a remove kept stay held until they are settled.
+            // Settling is idempotent (a member skips an entry whose shard moved on, and a
+            // node that took the slot over since has no record to drop).
+            let again = failed | down;
+            if again != 0 {
                 let mut p = pending.lock().unwrap();
                 for (name, version, slots) in list {
-                    if slots & failed != 0 && p.len() < super::primary::SETTLE_PENDING_MAX {
-                        p.push((name, version, slots & failed));
+                    if slots & again != 0 && p.len() < super::primary::SETTLE_PENDING_MAX {
+                        p.push((name, version, slots & again));
                     }
                 }
             }
