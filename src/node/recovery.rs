@@ -232,7 +232,7 @@ pub struct Recovery {
     /// Rollback records this node dropped on its primaries' word (`MSG_SHARD_SETTLE`).
     pub(super) rollbacks_dropped: AtomicU64,
     /// Acknowledged writes whose rollback records this node, as primary, sent to be dropped,
-    /// and SHARD_SETTLE requests that failed (their records stay until the object's next write).
+    /// and SHARD_SETTLE requests that failed (their entries are sent again at the next pass).
     pub(super) settles_sent: AtomicU64,
     pub(super) settles_failed: AtomicU64,
     /// Tombstones this node, as primary, had its members forget (`MSG_SHARD_FORGET`), and
