@@ -107,18 +107,18 @@ fn churn_at_90_percent_full_stays_bounded() {
 }
 
 /// Label `dev` with 1 MiB segments (a few of them fill quickly) and open it with the cleaner
-/// off, so the test sets up the space it wants.
-fn mkfs_1mib_segments_cleaner_off(dev: &SimDevice) -> Store<SimDevice> {
+/// on or off (off: the test sets up the space it wants).
+fn mkfs_1mib_segments(dev: &SimDevice, cleaner: bool) -> Store<SimDevice> {
     let opts = MkfsOptions {
         segment_bytes: 1 << 20,
         ..mkfs_opts()
     };
     mkfs(dev, &opts).unwrap();
-    let off = StoreConfig {
-        cleaner: false,
+    let config = StoreConfig {
+        cleaner,
         ..StoreConfig::default()
     };
-    Store::open(dev.clone(), Some(FSID), off).unwrap().0
+    Store::open(dev.clone(), Some(FSID), config).unwrap().0
 }
 
 /// A store full of live data refuses writes but still takes removes, even when the removes
@@ -133,7 +133,7 @@ fn a_full_store_takes_removes_and_then_writes_again() {
         },
         0xf011,
     );
-    let s = mkfs_1mib_segments_cleaner_off(&dev);
+    let s = mkfs_1mib_segments(&dev, false);
     let full = |r: nvstore_store::Result<u64>| match r {
         Ok(_) => false,
         Err(nvstore_store::StoreError::OutOfSpace { .. }) => true,
@@ -254,7 +254,7 @@ fn full_head_store(reorder: bool) -> (SimDevice, u64, u64) {
         },
         0x4ead,
     );
-    let s = mkfs_1mib_segments_cleaner_off(&dev);
+    let s = mkfs_1mib_segments(&dev, false);
     // As on any store that has run a while, a checkpoint holds a segment (the next one, which
     // frees the cleaned head, replaces it).
     s.write_full(&key("first"), b"x").unwrap();
@@ -398,12 +398,7 @@ fn highly_live_segments_are_cleaned_only_when_writes_need_the_space() {
         },
         0x11fe,
     );
-    let opts = MkfsOptions {
-        segment_bytes: 1 << 20,
-        ..mkfs_opts()
-    };
-    mkfs(&dev, &opts).unwrap();
-    let (s, _) = Store::open(dev.clone(), Some(FSID), StoreConfig::default()).unwrap();
+    let s = mkfs_1mib_segments(&dev, true);
     let space = s.space();
     let (reserve, seg) = (space.segments_reserve, space.segment_bytes);
     let target = reserve * 2 + space.segments_total / 20;
