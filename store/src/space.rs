@@ -301,11 +301,11 @@ impl Segments {
     }
 
     /// Whether writes need the cleaner now, not only its background work: a transaction
-    /// waited for space within [`DEMAND_WINDOW`], the open head is full, or the free segments
-    /// are within [`DEMAND_MARGIN`] of the reserve.
+    /// waited for space within [`DEMAND_WINDOW`], or the free segments are within
+    /// [`DEMAND_MARGIN`] of the reserve. (A full head alone is not: while segments may be
+    /// opened the next write opens one; when none may, that write waits.)
     pub fn writes_need_space(&self) -> bool {
-        self.head_full
-            || self.free_count() <= self.reserve + DEMAND_MARGIN
+        self.free_count() <= self.reserve + DEMAND_MARGIN
             || self.last_wait.is_some_and(|t| t.elapsed() < DEMAND_WINDOW)
     }
 
@@ -429,7 +429,11 @@ mod tests {
         s.head = 3;
         assert_eq!(s.victim(100, VICTIM_LIVE_MAX), Some(1));
         assert_eq!(s.victim(100, BACKGROUND_LIVE_MAX), Some(2));
-        assert!(!s.writes_need_space(), "17 free, reserve 4");
+        s.head_full = true;
+        assert!(
+            !s.writes_need_space(),
+            "17 free, reserve 4: a full head is left for a write"
+        );
         s.last_wait = Some(Instant::now());
         assert!(s.writes_need_space(), "a transaction just waited for space");
         s.last_wait = Instant::now().checked_sub(DEMAND_WINDOW);
