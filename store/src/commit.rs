@@ -751,16 +751,17 @@ impl<D: BlockDevice> Committer<D> {
                 }
                 Err(CheckErr::WaitSpace) => {
                     let mut txn = txn;
-                    txn.parked_at.get_or_insert_with(Instant::now);
+                    let now = Instant::now();
+                    txn.parked_at.get_or_insert(now);
                     let frees = {
                         let mut segs = self.sh.segs.lock().unwrap();
-                        segs.last_wait = Some(Instant::now());
+                        segs.last_wait = Some(now);
                         segs.frees
                     };
                     self.space_retry = SpaceRetry {
                         frees,
                         round: self.round_id,
-                        at: Instant::now() + SPACE_RETRY_PERIOD,
+                        at: now + SPACE_RETRY_PERIOD,
                     };
                     self.space_waiters.push((txn, reply));
                 }
@@ -790,6 +791,12 @@ impl<D: BlockDevice> Committer<D> {
             return false;
         }
         true
+    }
+
+    /// A relocation out of the open log head (once it holds batches): its round opens the next
+    /// segment (`StreamHead::move_on`), so it counts no room left in this one.
+    fn relocates_head(&self, txn: &Prepared) -> bool {
+        self.log.pos.off > 0 && txn.moves_from == Some(self.log.pos.seg)
     }
 
     /// Check a transaction against the index and free space. `need` is what the round already
@@ -823,8 +830,7 @@ impl<D: BlockDevice> Committer<D> {
             - layout.block
             - (crate::space::HEAD_ROOM_MIN_DATA + 2 * layout.block);
         let bytes = need + txn_bytes(txn) + 4096;
-        // A relocation out of the head opens the next segment (`StreamHead::move_on`).
-        let here = if txn.moves_from == Some(self.log.pos.seg) && self.log.pos.off > 0 {
+        let here = if self.relocates_head(txn) {
             0
         } else {
             layout.segment_bytes.saturating_sub(
@@ -923,11 +929,7 @@ impl<D: BlockDevice> Committer<D> {
             left.min(cap_max)
         };
         // Relocations out of the head: the round starts in the next segment.
-        if self.log.pos.off > 0
-            && acc
-                .iter()
-                .any(|a| a.txn.moves_from == Some(self.log.pos.seg))
-        {
+        if acc.iter().any(|a| self.relocates_head(&a.txn)) {
             self.log.move_on = true;
         }
         let mut cap = room(&self.log);
@@ -1401,14 +1403,12 @@ impl<D: BlockDevice> Committer<D> {
                 // A device that failed a checkpoint write fails the store's writes as a
                 // failed log write does; the transactions waiting for the segments this
                 // checkpoint was to free get that error now, not `OutOfSpace` in 30 s.
+                // (Requeued, the next round refuses them as it refuses every transaction of a
+                // failed store.)
                 if matches!(e, StoreError::Device(_)) {
                     self.failed = Some(format!("checkpoint write failed: {why}"));
-                    for (t, r) in std::mem::take(&mut self.space_waiters) {
-                        drop(t);
-                        r.send(TxnResult::Failed(StoreError::Invalid(format!(
-                            "the store stopped accepting writes after a device write failed: {why}"
-                        ))));
-                    }
+                    self.deferred
+                        .extend(std::mem::take(&mut self.space_waiters));
                 }
             }
         }
