@@ -6,8 +6,7 @@
 mod common;
 
 use std::collections::{BTreeMap, HashSet};
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -181,12 +180,7 @@ fn parse_exposition(text: &str) -> Scrape {
 }
 
 fn scrape(addr: SocketAddr) -> Scrape {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: test\r\n\r\n")
-        .unwrap();
-    let mut r = String::new();
-    s.read_to_string(&mut r).unwrap();
+    let r = common::metrics_page(addr).unwrap();
     let (head, body) = r.split_once("\r\n\r\n").expect("HTTP response");
     assert!(head.starts_with("HTTP/1.1 200 OK"), "{head}");
     assert!(

@@ -42,7 +42,6 @@ impl Drop for Harness {
 /// A failed test's evidence, taken before the cluster goes down: each running node's store,
 /// space and recovery counters from its metrics page.
 fn print_store_metrics(lc: &LocalCluster) {
-    use std::io::{Read, Write};
     for n in 1..=64 {
         if !lc.dir.join(format!("node.{n}")).is_dir() {
             break;
@@ -50,14 +49,7 @@ fn print_store_metrics(lc: &LocalCluster) {
         let Ok(Some(addr)) = lc.metrics_addr(&format!("node.{n}")) else {
             continue;
         };
-        let page = std::net::TcpStream::connect(addr).and_then(|mut s| {
-            s.set_read_timeout(Some(Duration::from_secs(5)))?;
-            write!(s, "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")?;
-            let mut page = String::new();
-            s.read_to_string(&mut page)?;
-            Ok(page)
-        });
-        let Ok(page) = page else {
+        let Ok(page) = metrics_page(addr) else {
             eprintln!("---- node.{n} metrics: not served");
             continue;
         };
@@ -74,6 +66,17 @@ fn print_store_metrics(lc: &LocalCluster) {
             .collect();
         eprintln!("---- node.{n} metrics: {}", rows.join(" "));
     }
+}
+
+/// The whole HTTP response (head and body) to `GET /metrics` at `addr`.
+pub fn metrics_page(addr: std::net::SocketAddr) -> std::io::Result<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: test\r\n\r\n")?;
+    let mut page = String::new();
+    s.read_to_string(&mut page)?;
+    Ok(page)
 }
 
 /// A failed test's evidence, also taken before the cluster goes down (whose connection
