@@ -6,7 +6,8 @@
 //! * 4 KiB durable puts/s (32 writers) vs fio 4 KiB randwrite QD32 with fdatasync every 32;
 //! * 4 KiB reads/s (32 reader threads, and one thread with 32 in flight) vs fio 4 KiB
 //!   randread QD32, with the driver's own loop on the same span as a third row (alternating
-//!   pairs, medians of the ratios);
+//!   pairs, medians of the ratios), and fio with 32 jobs of one read each — the 32-thread
+//!   row's shape — as a reference;
 //! * restart time at 100 k and 1 M objects, with checkpoints vs without (full replay);
 //! * write amplification under churn (70 % full, random 64 KiB overwrites);
 //! * index bytes per object and peak RSS.
@@ -431,6 +432,7 @@ fn small_reads(path: &Path, size: u64, secs: f64, pairs: usize, quick: bool) {
         100.0 * (1.0 - data as f64 / span.max(1) as f64)
     );
     let (mut sync_r, mut one_r, mut raw_r) = (Vec::new(), Vec::new(), Vec::new());
+    let mut jobs_r = Vec::new();
     for pair in 0..pairs {
         let store_side = |seed: u64| {
             let disk = DiskPhase::start(path);
@@ -454,9 +456,21 @@ fn small_reads(path: &Path, size: u64, secs: f64, pairs: usize, quick: bool) {
             let drv = raw
                 .as_ref()
                 .and_then(|dev| driver::workload::run(dev, &spec).ok());
-            (f, disk, drv)
+            // What the host gives the 32-thread row's shape: 32 fio jobs, one read each in
+            // flight (a reference, not the goal's baseline).
+            let jobs = fio(
+                path,
+                Pattern::RandRead,
+                4096,
+                1,
+                span,
+                secs,
+                &["--numjobs=32", "--group_reporting"],
+            )
+            .map(|r| r.iops());
+            (f, disk, drv, jobs)
         };
-        let ((sync, one, cpu_note, disk_ours), (f, disk_fio, drv)) = if pair % 2 == 0 {
+        let ((sync, one, cpu_note, disk_ours), (f, disk_fio, drv, jobs)) = if pair % 2 == 0 {
             let st = store_side(pair as u64);
             (st, fio_side())
         } else {
@@ -474,7 +488,16 @@ fn small_reads(path: &Path, size: u64, secs: f64, pairs: usize, quick: bool) {
             ratio(drv.as_ref().map_or(0.0, |d| d.iops()), f),
             drv.as_ref().map_or(0.0, |d| d.cpu_us_per_io),
         );
+        println!(
+            "      fio 32 jobs × QD1 {:>7.0} IOPS ({} of fio QD32); store 32 threads {} of it",
+            jobs.unwrap_or(0.0),
+            ratio(jobs.unwrap_or(0.0), f),
+            ratio(sync, jobs)
+        );
         print_disk(&disk_ours, &disk_fio);
+        if let Some(j) = jobs.filter(|&j| j > 0.0) {
+            jobs_r.push(sync / j);
+        }
         if let Some(f) = f.filter(|&f| f > 0.0) {
             sync_r.push(sync / f);
             one_r.push(one / f);
@@ -502,6 +525,10 @@ fn small_reads(path: &Path, size: u64, secs: f64, pairs: usize, quick: bool) {
     println!(
         "  median driver loop, no store          ratio {}",
         med(&raw_r)
+    );
+    println!(
+        "  median store, 32 threads × 1 vs fio 32 jobs × QD1  ratio {}",
+        med(&jobs_r)
     );
 }
 
