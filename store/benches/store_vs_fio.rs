@@ -6,7 +6,7 @@
 //! * 4 KiB durable puts/s (32 writers) vs fio 4 KiB randwrite QD32 with fdatasync every 32;
 //! * 4 KiB reads/s (32 reader threads, and one thread with 32 in flight) vs fio 4 KiB
 //!   randread QD32, with the driver's own loop on the same span as a third row (alternating
-//!   pairs, medians of the ratios), and fio with 32 jobs of one read each — the 32-thread
+//!   rounds of short windows, medians of the ratios), and fio with 32 jobs of one read each — the 32-thread
 //!   row's shape — as a reference;
 //! * restart time at 100 k and 1 M objects, with checkpoints vs without (full replay);
 //! * write amplification under churn (70 % full, random 64 KiB overwrites);
@@ -15,8 +15,9 @@
 //! Environment: `NVSTORE_BENCH_DIR` (default: the target directory), `NVSTORE_BENCH_SECS`
 //! (default 10), `NVSTORE_BENCH_OBJECTS` (restart sizes, default "100000,1000000"),
 //! `NVSTORE_BENCH_ONLY` (comma list of latency, writes, puts, reads, restart, churn),
-//! `NVSTORE_BENCH_PAIRS` (alternating store/fio pairs for the 4 MiB writes and the 4 KiB
-//! reads, default 3),
+//! `NVSTORE_BENCH_PAIRS` (alternating store/fio pairs for the 4 MiB writes, default 3),
+//! `NVSTORE_READ_ROUNDS` and `NVSTORE_READ_SECS` (the 4 KiB reads' rounds, every phase once
+//! per round, and each phase's window: default 10 rounds of 2 s),
 //! `NVSTORE_BENCH_WRITERS` (the 4 MiB phase's store writer counts = fio queue depths, a comma
 //! list, default "4,16"), `NVSTORE_READ_BATCH` (completions the one-thread reader waits for
 //! per poll, default 1).
@@ -148,7 +149,9 @@ fn main() {
         small_puts(&path, size, secs);
     }
     if want("reads") {
-        small_reads(&path, size, secs, pairs, quick);
+        let rounds = env_u64("NVSTORE_READ_ROUNDS", if quick { 1 } else { 10 }) as usize;
+        let window = env_u64("NVSTORE_READ_SECS", if quick { 1 } else { 2 }) as f64;
+        small_reads(&path, size, window, rounds, quick);
     }
     // Not in the default set: named alone, it compares the reader's poll settings.
     if only.split(',').any(|o| o == "read-knobs") {
@@ -395,11 +398,14 @@ fn small_puts(path: &Path, size: u64, secs: f64) {
 /// 4 KiB reads of 4 KiB objects: 32 synchronous reader threads, and one thread keeping 32
 /// reads in flight through the async `Reader` (what a node's op worker does), vs fio randread
 /// 4K QD32 on the span of the file the store wrote, with the driver's own loop on the same
-/// span as a third row. The host's disk drifts from minute to minute (single runs swing
-/// ±8 %): store and fio alternate `pairs` times — the store first in pairs 1, 3, … (as
-/// printed), fio and the driver loop first in pairs 2, 4, … — and the goal rows are the
-/// medians of the per-pair ratios.
-fn small_reads(path: &Path, size: u64, secs: f64, pairs: usize, quick: bool) {
+/// span as a third row, and 32 fio jobs of one read each as a reference for the 32-thread
+/// row. The host's disk drifts by tens of percent within a minute (44th stop, 10 s phases in
+/// three pairs: one store phase at 0.54× between two at 0.80×, and a whole run at 0.78× /
+/// 0.72× minutes after one at 0.95× / 1.02×), so every phase runs in each of `rounds` short
+/// windows of `secs` — the store first in rounds 1, 3, … (as printed), fio first in rounds
+/// 2, 4, … — and the goal rows are the medians of the per-round ratios: drift slower than a
+/// round (~10 s) cancels.
+fn small_reads(path: &Path, size: u64, secs: f64, rounds: usize, quick: bool) {
     let (s, _dev) = fresh(path, size, false);
     let n = if quick { 5_000 } else { 200_000 };
     let data = vec![0x22u8; 4096];
@@ -427,13 +433,13 @@ fn small_reads(path: &Path, size: u64, secs: f64, pairs: usize, quick: bool) {
     println!("\n## 4 KiB reads of {n} objects, 32 readers vs fio randread 4K QD32");
     println!(
         "  fio span: the first {} MiB of the file, where the store's data is ({:.1} % holes); \
-         {pairs} alternating pairs, {secs} s per phase",
+         {rounds} rounds of {secs} s per phase, store and fio first in turn",
         span >> 20,
         100.0 * (1.0 - data as f64 / span.max(1) as f64)
     );
     let (mut sync_r, mut one_r, mut raw_r) = (Vec::new(), Vec::new(), Vec::new());
     let mut jobs_r = Vec::new();
-    for pair in 0..pairs {
+    for round in 0..rounds {
         let store_side = |seed: u64| {
             let disk = DiskPhase::start(path);
             let sync = sync_readers(&s, n, secs, seed);
@@ -452,7 +458,7 @@ fn small_reads(path: &Path, size: u64, secs: f64, pairs: usize, quick: bool) {
             // Where the gap lies: what the driver loop (one queue, 32 reads in flight, no
             // store) misses of fio is the device path's; what the store's reader misses of
             // it is the store's.
-            let spec = qd32_reads(span, secs, 3 + pair as u64);
+            let spec = qd32_reads(span, secs, 3 + round as u64);
             let drv = raw
                 .as_ref()
                 .and_then(|dev| driver::workload::run(dev, &spec).ok());
@@ -470,17 +476,17 @@ fn small_reads(path: &Path, size: u64, secs: f64, pairs: usize, quick: bool) {
             .map(|r| r.iops());
             (f, disk, drv, jobs)
         };
-        let ((sync, one, cpu_note, disk_ours), (f, disk_fio, drv, jobs)) = if pair % 2 == 0 {
-            let st = store_side(pair as u64);
+        let ((sync, one, cpu_note, disk_ours), (f, disk_fio, drv, jobs)) = if round % 2 == 0 {
+            let st = store_side(round as u64);
             (st, fio_side())
         } else {
             let fi = fio_side();
-            (store_side(pair as u64), fi)
+            (store_side(round as u64), fi)
         };
         println!(
-            "  pair {}: store 32 threads {sync:>7.0}/s ({})   1 thread {one:>7.0}/s ({}; {cpu_note})   \
+            "  round {:>2}: store 32 threads {sync:>7.0}/s ({})   1 thread {one:>7.0}/s ({}; {cpu_note})   \
              fio {:>7.0} IOPS   driver loop {:>7.0}/s ({}; {:.1} µs of CPU per read)",
-            pair + 1,
+            round + 1,
             ratio(sync, f),
             ratio(one, f),
             f.unwrap_or(0.0),
