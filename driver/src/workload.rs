@@ -412,10 +412,17 @@ impl std::fmt::Display for DiskDelta {
     }
 }
 
-/// Median of a non-empty list.
+/// Median of a non-empty list: the middle value, or the mean of the two middle values of an
+/// even count (the upper one alone flattered ten rounds of 0.80–0.92× as 0.90× for a median
+/// of 0.8825×).
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
 }
 
 /// One workload's result: ours, and fio's (or why fio could not run).
@@ -460,7 +467,8 @@ pub fn compare_with_fio<D: BlockDevice>(
     Ok(rows)
 }
 
-/// The run with the median IOPS (keeps its latencies and CPU consistent with its rate).
+/// The run with the median IOPS (keeps its latencies and CPU consistent with its rate); of an
+/// even count, the upper of the two middle runs — for ours and fio's alike.
 fn pick_median(mut runs: Vec<Report>) -> Report {
     runs.sort_by(|a, b| a.iops().partial_cmp(&b.iops()).unwrap());
     runs.swap_remove(runs.len() / 2)
@@ -557,6 +565,13 @@ pub fn prefill<D: BlockDevice>(dev: &D, span_bytes: u64) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn median_of_an_even_count_is_the_mean_of_the_middle_two() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![0.9, 0.8, 0.86, 0.92]), 0.88);
+        assert_eq!(median(vec![5.0]), 5.0);
+    }
 
     #[test]
     fn diskstats_parse_and_phase_summary() {

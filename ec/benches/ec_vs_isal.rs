@@ -348,9 +348,15 @@ fn cross_check_with_isal(codec: &Codec) {
     }
 }
 
+/// The middle sample, or the mean of the two middle ones of an even count.
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
 }
 
 fn env_usize(name: &str, default: usize) -> usize {
