@@ -401,8 +401,8 @@ fn small_puts(path: &Path, size: u64, secs: f64) {
 /// span as a third row. Each row is held against fio running its own shape: the one-thread
 /// reader (32 in flight) against fio QD32, the baseline; the 32 threads of one read
 /// each against 32 fio jobs of one read each, with the driver alone in that shape beside it
-/// (on the 44th stop's host both fio's jobs and the bare driver's threads reached only
-/// ~0.87× of fio QD32: the shape costs the host, not the store). The host's disk drifts by tens of percent within a minute (44th stop, 10 s phases in
+/// (on the 44th stop's host fio's jobs ran 0.90–0.96× and the bare driver's threads
+/// 0.87–0.96× of fio QD32: the shape costs the host). The host's disk drifts by tens of percent within a minute (44th stop, 10 s phases in
 /// three pairs: one store phase at 0.54× between two at 0.80×, and a whole run at 0.78× /
 /// 0.72× minutes after one at 0.95× / 1.02×), so every phase runs in each of `rounds` short
 /// windows of `secs` — the store first in rounds 1, 3, … (as printed), fio first in rounds
@@ -561,7 +561,7 @@ fn small_reads(path: &Path, size: u64, secs: f64, rounds: usize, quick: bool) {
         med(&drv32_f)
     );
     println!(
-        "  median store, 32 threads × 1 vs fio 32 jobs × QD1  ratio {} (goal ≥ 0.9x: the same shape)",
+        "  median store, 32 threads × 1 vs fio 32 jobs × QD1  ratio {} (the same shape)",
         med(&jobs_r)
     );
     println!(
