@@ -5,9 +5,10 @@
 //!   blocks, QD4 and QD16, and the store's best against fio's best;
 //! * 4 KiB durable puts/s (32 writers) vs fio 4 KiB randwrite QD32 with fdatasync every 32;
 //! * 4 KiB reads/s (32 reader threads, and one thread with 32 in flight) vs fio 4 KiB
-//!   randread QD32, with the driver's own loop on the same span as a third row (alternating
-//!   rounds of short windows, medians of the ratios), and fio with 32 jobs of one read each — the 32-thread
-//!   row's shape — as a reference;
+//!   randread QD32, with the driver's own loop on the same span as a third row, and fio's 32
+//!   jobs and the bare driver's 32 threads of one read each — the 32-thread row's shape — as
+//!   references (rounds of short windows, store and fio first in turn, medians of the
+//!   per-round ratios);
 //! * restart time at 100 k and 1 M objects, with checkpoints vs without (full replay);
 //! * write amplification under churn (70 % full, random 64 KiB overwrites);
 //! * index bytes per object and peak RSS.
@@ -402,12 +403,14 @@ fn small_puts(path: &Path, size: u64, secs: f64) {
 /// reader (32 in flight) against fio QD32, the baseline; the 32 threads of one read
 /// each against 32 fio jobs of one read each, with the driver alone in that shape beside it
 /// (on the 44th stop's host fio's jobs ran 0.90–0.96× and the bare driver's threads
-/// 0.87–0.96× of fio QD32: the shape costs the host). The host's disk drifts by tens of percent within a minute (44th stop, 10 s phases in
+/// 0.87–0.96× of fio QD32: the shape costs the host).
+///
+/// The host's disk drifts by tens of percent within a minute (44th stop, 10 s phases in
 /// three pairs: one store phase at 0.54× between two at 0.80×, and a whole run at 0.78× /
 /// 0.72× minutes after one at 0.95× / 1.02×), so every phase runs in each of `rounds` short
 /// windows of `secs` — the store first in rounds 1, 3, … (as printed), fio first in rounds
-/// 2, 4, … — and the goal rows are the medians of the per-round ratios: drift slower than a
-/// round (~10 s) cancels.
+/// 2, 4, … — and the rows are the medians of the per-round ratios: drift slower than a round
+/// (~12 s) cancels.
 fn small_reads(path: &Path, size: u64, secs: f64, rounds: usize, quick: bool) {
     let (s, _dev) = fresh(path, size, false);
     let n = if quick { 5_000 } else { 200_000 };
@@ -513,18 +516,16 @@ fn small_reads(path: &Path, size: u64, secs: f64, rounds: usize, quick: bool) {
             ratio(sync, jobs),
             ratio(sync, drv32)
         );
+        print_disk(&disk_ours, &disk_fio);
+        if let Some(j) = jobs.filter(|&j| j > 0.0) {
+            jobs_r.push(sync / j);
+        }
         if let Some(d) = drv32.filter(|&d| d > 0.0) {
             drv32_r.push(sync / d);
         }
         if let Some(f) = f.filter(|&f| f > 0.0) {
             jobs_f.extend(jobs.map(|j| j / f));
             drv32_f.extend(drv32.map(|d| d / f));
-        }
-        print_disk(&disk_ours, &disk_fio);
-        if let Some(j) = jobs.filter(|&j| j > 0.0) {
-            jobs_r.push(sync / j);
-        }
-        if let Some(f) = f.filter(|&f| f > 0.0) {
             sync_r.push(sync / f);
             one_r.push(one / f);
             if let Some(d) = &drv {
