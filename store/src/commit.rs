@@ -1165,7 +1165,7 @@ impl<D: BlockDevice> Committer<D> {
                 }
                 MutOp::Put(p) => {
                     let (placed, placed_x) = &a.placed[m];
-                    let chunks: Box<[ChunkRef]> = p
+                    let chunks: crate::meta::Chunks = p
                         .chunks
                         .iter()
                         .enumerate()

@@ -8,6 +8,13 @@ use crate::format::{
 };
 use crate::key::ObjectKey;
 
+/// An object's chunk refs: held in the state itself for a one-chunk object (every object up
+/// to the chunk size), so it costs no allocation of its own and a read follows one pointer
+/// fewer. With glibc's malloc that is 16 bytes less per such object: the state grows from
+/// 72 to 80 bytes (its `Arc` allocation from a 96- to a 112-byte chunk) and the boxed list's
+/// 32-byte chunk goes.
+pub type Chunks = smallvec::SmallVec<[ChunkRef; 1]>;
+
 /// The complete state of one object. Immutable once published in the index (shared by `Arc`):
 /// a change publishes a new one.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -22,7 +29,7 @@ pub struct ObjectMeta {
     /// CRC32C of the whole content.
     pub data_crc: u32,
     /// Chunk `i` holds bytes `i*chunk_bytes..`; a zero-length ref is a hole.
-    pub chunks: Box<[ChunkRef]>,
+    pub chunks: Chunks,
     /// The serialized xattr map, or a zero-length ref.
     pub xattrs: ChunkRef,
 }
@@ -44,7 +51,12 @@ pub fn content_checksum(data: &[u8], chunk_bytes: usize) -> u32 {
 impl ObjectMeta {
     /// Bytes the index spends on this entry's heap parts (for the index-bytes-per-object report).
     pub fn heap_bytes(&self) -> usize {
-        std::mem::size_of::<Self>() + std::mem::size_of_val(&*self.chunks)
+        std::mem::size_of::<Self>()
+            + if self.chunks.spilled() {
+                std::mem::size_of_val(&*self.chunks)
+            } else {
+                0
+            }
     }
 }
 
