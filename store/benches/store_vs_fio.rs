@@ -31,8 +31,9 @@
 //! loop, then the medians. Single runs swing ±8 %: settings are compared round by round.
 //! Without `--bench` (cargo test) it runs a tiny smoke version.
 
+use std::cell::RefCell;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use driver::workload::{run_fio_with, DiskDelta, DiskPhase, Pattern, Report, Spec};
@@ -575,39 +576,36 @@ fn small_reads(path: &Path, size: u64, secs: f64, rounds: usize, quick: bool) {
 /// flight on its own queue of `dev` for `secs`: the driver alone, no store — the 32-thread
 /// row's device path.
 fn driver_sync_threads(dev: &FileDevice, span: u64, secs: f64, seed: u64) -> f64 {
+    type Queue = <FileDevice as BlockDevice>::Queue;
+    thread_local! {
+        /// Each bench thread's queue and completion slot (the threads are fresh per call).
+        static Q: RefCell<Option<(Queue, Vec<Completion>)>> = const { RefCell::new(None) };
+    }
     let bs = dev.geometry().block_size as u64;
     let pages = (span / 4096).max(1);
-    let stop = AtomicBool::new(false);
-    let done = AtomicU64::new(0);
-    let t0 = Instant::now();
-    std::thread::scope(|sc| {
-        for t in 0..32u64 {
-            let (stop, done) = (&stop, &done);
-            sc.spawn(move || {
-                let mut q = dev.open_queue().expect("a queue per thread");
-                let mut comps: Vec<Completion> = Vec::new();
+    drive(32, secs, |t, i| {
+        Q.with_borrow_mut(|q| {
+            let (q, comps) = q.get_or_insert_with(|| {
+                let mut comps = Vec::new();
                 comps.resize_with(1, Completion::default);
-                let mut x = (t + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed;
-                while !stop.load(Ordering::Relaxed) {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    let buf = dev.alloc_read_buf(4096).expect("read buffer");
-                    let lba = (x % pages) * 4096 / bs;
-                    q.submit(Request::read(lba, (4096 / bs) as u32, buf, 0, t))
-                        .map_err(|e| e.kind)
-                        .expect("submit a read");
-                    q.wait(&mut comps, 1, Duration::from_secs(30))
-                        .expect("a read completes");
-                    std::mem::take(&mut comps[0]).result.expect("read");
-                    done.fetch_add(1, Ordering::Relaxed);
-                }
+                (dev.open_queue().expect("a queue per thread"), comps)
             });
-        }
-        std::thread::sleep(Duration::from_secs_f64(secs));
-        stop.store(true, Ordering::Relaxed);
-    });
-    done.load(Ordering::Relaxed) as f64 / t0.elapsed().as_secs_f64()
+            let page = (i.wrapping_mul(2_654_435_761) ^ (t as u64 * 97 + seed)) % pages;
+            let buf = dev.alloc_read_buf(4096).expect("read buffer");
+            q.submit(Request::read(
+                page * 4096 / bs,
+                (4096 / bs) as u32,
+                buf,
+                0,
+                0,
+            ))
+            .map_err(|e| e.kind)
+            .expect("submit a read");
+            q.wait(comps, 1, Duration::from_secs(30))
+                .expect("a read completes");
+            std::mem::take(&mut comps[0]).result.expect("read");
+        })
+    })
 }
 
 /// The driver loop's workload beside the 4 KiB read phases: random 4 KiB reads at QD32 over
