@@ -89,7 +89,8 @@ pub enum ConfigCommand {
     /// before its shards are sent; 0 = off), inject_shard_apply_delay_ms (fault injection:
     /// hold each shard write a primary sends here this long between its check and its
     /// apply; 0 = off), inject_drop_staged (fault injection: acknowledge the shards clients
-    /// stage here and drop them, true|false)
+    /// stage here and drop them, true|false), staged_bytes_max (bytes of staged shards one
+    /// client may hold here; past it a stage is refused and its write fails at once)
     Set {
         /// Node id
         node: u32,

@@ -656,7 +656,8 @@ fn client_encoded_writes_read_back_whole_and_degraded_and_fall_back_when_a_shard
     assert_eq!(sum("node", "staged_shards_missing"), 0);
     common::read_all(c, pool, &objs);
 
-    // A member that lost the shard staged on it: the write fails there and the client sends
+    // A member that lost the shard staged on it (as if it restarted in between): the write
+    // waits there for the shard (it could still be on its way), fails, and the client sends
     // the data to the primary.
     let map = c.map();
     let info = &map.pools[&pool];
@@ -672,8 +673,35 @@ fn client_encoded_writes_read_back_whole_and_degraded_and_fall_back_when_a_shard
     assert_eq!(c.client_ec_stats(), (4, 1), "the put fell back");
     assert!(counter(c, victim, "node", "staged_shards_missing") >= 1);
     assert!(counter(c, victim, "node", "staged_shards_expired") >= 1);
+    assert_eq!(
+        counter(c, victim, "node", "staged_shard_wait_timeouts"),
+        1,
+        "the write waited for the shard the victim never heard of"
+    );
     assert!(c.get(pool, name).unwrap() == data);
     c.config(victim, Some(("inject_drop_staged", "false")))
+        .unwrap();
+    // A member that refused the stage (the client over its staging budget there): the write
+    // fails at once rather than waiting for a shard that will not come, and falls back.
+    let (name, data) = (b"refused-stage", bytes(78, (3 << 20) + 9));
+    let refuser = members_of(name)[5].expect("every slot has a member");
+    let timeouts_before = counter(c, refuser, "node", "staged_shard_wait_timeouts");
+    c.config(refuser, Some(("staged_bytes_max", "0"))).unwrap();
+    c.put(pool, name, &data).unwrap();
+    assert_eq!(c.client_ec_stats(), (4, 2), "the put fell back");
+    assert_eq!(counter(c, refuser, "node", "staged_shards_refused"), 1);
+    assert!(counter(c, refuser, "node", "staged_shards_missing") >= 1);
+    assert_eq!(
+        counter(c, refuser, "node", "staged_shard_wait_timeouts"),
+        timeouts_before,
+        "a refused shard is not waited for"
+    );
+    assert!(c.get(pool, name).unwrap() == data);
+    let e = c
+        .config(refuser, Some(("staged_bytes_max", "lots")))
+        .unwrap_err();
+    assert!(e.to_string().contains("expected bytes"), "{e}");
+    c.config(refuser, Some(("staged_bytes_max", "268435456")))
         .unwrap();
     // Staged writes that do not add up: clear errors, nothing written.
     let staged = |size: u64, members: Vec<Option<u32>>| {

@@ -200,9 +200,9 @@ pub struct Node {
     /// member is applying the old primary's write.
     pub(crate) inject_shard_apply_delay_ms: AtomicU64,
     /// Fault injection (runtime setting `inject_drop_staged`): the node acknowledges the
-    /// shards clients stage on it and drops them, as if it had restarted in between (a write
-    /// naming one fails with `NotStaged` after `STAGED_SHARD_WAIT`; the client then sends
-    /// the data to the primary).
+    /// shards clients stage on it and drops them, as if it had restarted in between (no
+    /// marker is kept, so a write naming one waits `STAGED_SHARD_WAIT` for it, then fails
+    /// with `NotStaged`; the client then sends the data to the primary).
     pub(crate) inject_drop_staged: AtomicBool,
 }
 

@@ -172,7 +172,7 @@ impl Node {
             driver::workload::peak_rss_kib(),
         );
         #[rustfmt::skip]
-        let rows: [(&'static str, Row); 61] = [
+        let rows: [(&'static str, Row); 63] = [
             ("client", ("read_ops", C, c.read_ops.load(Relaxed), "Client read ops run as primary")),
             ("client", ("write_ops", C, c.write_ops.load(Relaxed), "Client write ops run as primary")),
             ("client", ("read_bytes", C, c.read_bytes.load(Relaxed), "Bytes returned to clients")),
@@ -198,6 +198,8 @@ impl Node {
             ("node", ("staged_shards_missing", C, self.shard_staging.missing.load(Relaxed), "Staged writes that named a shard not staged here (the client sent the data to the primary instead)")),
             ("node", ("staged_shards_expired", C, self.shard_staging.expired.load(Relaxed), "Staged shards dropped unused: no write took them within 30 s (a client gone between its stages and its op, a write that failed first), or dropped on arrival by the inject_drop_staged fault injection")),
             ("node", ("staged_shard_waits", C, self.shard_staging.waits.load(Relaxed), "Staged writes that reached this node before the shard they name, and waited for it")),
+            ("node", ("staged_shards_refused", C, self.shard_staging.refused.load(Relaxed), "Stages this node refused (the client over staged_bytes_max, or a shard too large); a write naming one fails at once")),
+            ("node", ("staged_shard_wait_timeouts", C, self.shard_staging.wait_timeouts.load(Relaxed), "Of staged_shards_missing, writes that waited the whole 2 s for a shard this node never heard of (lost with its connection, or staged before a restart); the others failed at once")),
             ("node", ("staged_shard_bytes", G, self.shard_staging.bytes.load(Relaxed), "Bytes of staged shards waiting for their write")),
             ("node", ("shard_crcs_vouched", C, c.shard_crcs_vouched.load(Relaxed), "Shard writes whose listed chunk CRCs matched the verified frame CRC (recorded without summing the bytes)")),
             ("node", ("shard_crcs_dropped", C, c.shard_crcs_dropped.load(Relaxed), "Shard writes whose listed chunk CRCs did not describe the bytes (summed instead)")),
@@ -364,6 +366,7 @@ impl Node {
             "inject_write_delay_ms": self.inject_write_delay_ms.load(Relaxed),
             "inject_shard_apply_delay_ms": self.inject_shard_apply_delay_ms.load(Relaxed),
             "inject_drop_staged": self.inject_drop_staged.load(Relaxed),
+            "staged_bytes_max": self.shard_staging.bytes_max.load(Relaxed),
         })
     }
 
@@ -419,13 +422,20 @@ impl Node {
                 };
                 self.inject_drop_staged.store(on, Relaxed);
             }
+            "staged_bytes_max" => {
+                let n: u64 = value
+                    .parse()
+                    .map_err(|_| bad("bytes (an integer; 0 refuses every stage)"))?;
+                self.shard_staging.bytes_max.store(n, Relaxed);
+            }
             _ => {
                 return Err(Error::remote(
                     Status::Invalid,
                     format!(
                         "no runtime setting {key:?}; settable: read_coalescing, read_cache, \
                          slow_op_ms, inject_write_delay_ms, inject_shard_apply_delay_ms, \
-                         inject_drop_staged (others need node.toml and a restart)"
+                         inject_drop_staged, staged_bytes_max (others need node.toml and a \
+                         restart)"
                     ),
                 ))
             }

@@ -11,10 +11,19 @@
 //! A staged shard is kept as the received payload (no copy) with its chunk CRCs, which the
 //! client listed and which are checked against the frame's CRC here, so the store records
 //! them without summing the bytes again. It lives until a write takes it, for at most
-//! [`STAGED_SHARD_TTL`], and one client may hold at most [`STAGED_BYTES_MAX`] per node: a
-//! client past that gets `TooLarge` and sends its data to the primary instead. A write that
-//! names a shard this node does not hold fails that member with `NotStaged`; the primary
-//! fails the write at once and the client sends the data through the primary.
+//! [`STAGED_SHARD_TTL`], and one client may hold at most [`STAGED_BYTES_MAX`] per node (the
+//! runtime setting `staged_bytes_max`): a client past that gets `TooLarge` and sends its data
+//! to the primary instead. A write that names a shard this node does not hold fails that
+//! member with `NotStaged`; the primary fails the write at once and the client sends the data
+//! through the primary.
+//!
+//! A write can reach a member before the shard it names (the client sends its op right behind
+//! its stages, and the op's path through the primary can overtake a stage), so a member waits
+//! for a missing shard — but only while it may still come. A shard this node refused (over
+//! the client's budget, too large) or dropped unused (its TTL) leaves a marker
+//! for [`STAGED_SHARD_TTL`]: a write naming it fails at once, and one already waiting for it
+//! is woken to fail. Only a shard this node never heard of (it restarted after taking it, or
+//! the stage was lost with its connection) is waited for, up to [`STAGED_SHARD_WAIT`].
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -34,7 +43,11 @@ pub const STAGED_SHARD_TTL: Duration = Duration::from_secs(30);
 pub const STAGED_BYTES_MAX: usize = 256 << 20;
 /// How long a write waits for a shard it names to arrive: the client sends the op right
 /// after its stages, not after their replies, so the primary's write can overtake a stage.
+/// A shard this node refused or dropped is not waited for (see the module's docs).
 pub const STAGED_SHARD_WAIT: Duration = Duration::from_secs(2);
+/// Most markers of refused or expired shards kept at once (each ~80 bytes, for at most
+/// [`STAGED_SHARD_TTL`]); past it a write naming an unmarked shard waits as for a lost one.
+pub const GONE_MARKERS_MAX: usize = 1 << 16;
 
 /// One staged shard: its bytes where they lie in the received message.
 pub struct StagedShard {
@@ -47,11 +60,30 @@ pub struct StagedShard {
     at: Instant,
 }
 
+/// Why a shard a write names will not come.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gone {
+    /// This node refused the stage (the client's budget, or the shard too large).
+    Refused,
+    /// Staged, then dropped: no write took it within [`STAGED_SHARD_TTL`].
+    Expired,
+}
+
+type ShardKey = (ReqId, u8);
+
 #[derive(Default)]
+struct Held {
+    shards: HashMap<ShardKey, StagedShard>,
+    /// Shards that will not come, and since when (dropped after [`STAGED_SHARD_TTL`]).
+    gone: HashMap<ShardKey, (Instant, Gone)>,
+}
+
 pub struct Staging {
-    shards: Mutex<HashMap<(ReqId, u8), StagedShard>>,
-    /// Notified when a shard is staged (a write may be waiting for it).
+    held: Mutex<Held>,
+    /// Notified when a shard is staged or refused (a write may be waiting for it).
     arrived: Condvar,
+    /// Bytes of staged shards one client may hold here (runtime setting `staged_bytes_max`).
+    pub bytes_max: AtomicU64,
     /// Shards staged, taken by a write, dropped unused (TTL), and writes that named a shard
     /// that was not here.
     pub staged: AtomicU64,
@@ -61,6 +93,29 @@ pub struct Staging {
     pub bytes: AtomicU64,
     /// Writes that named a shard before it arrived, and waited for it.
     pub waits: AtomicU64,
+    /// Stages refused (over the client's budget, too large).
+    pub refused: AtomicU64,
+    /// Of `missing`, writes that waited the whole [`STAGED_SHARD_WAIT`] for a shard this node
+    /// never heard of (the others failed as soon as the shard was known refused or expired).
+    pub wait_timeouts: AtomicU64,
+}
+
+impl Default for Staging {
+    fn default() -> Self {
+        Staging {
+            held: Mutex::default(),
+            arrived: Condvar::new(),
+            bytes_max: AtomicU64::new(STAGED_BYTES_MAX as u64),
+            staged: AtomicU64::new(0),
+            taken: AtomicU64::new(0),
+            expired: AtomicU64::new(0),
+            missing: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            waits: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            wait_timeouts: AtomicU64::new(0),
+        }
+    }
 }
 
 impl Staging {
@@ -85,7 +140,9 @@ impl Staging {
         let data = d.bytes()?;
         let listed = d.crc_list("staged shard")?;
         d.end()?;
+        let key = (ReqId { who, id: upload }, slot);
         if data.len() as u64 > crate::ops::OBJECT_BYTES_MAX {
+            self.refuse(key);
             return Err(Error::remote(Status::TooLarge, "staged shard too large"));
         }
         let crcs = if crcs_describe(p, msg.payload_crc(), data, &listed) {
@@ -96,22 +153,28 @@ impl Staging {
             }
             Vec::new()
         };
-        let key = (ReqId { who, id: upload }, slot);
         if !keep {
+            // As if this node had restarted after taking it: no marker.
             self.expired.fetch_add(1, Relaxed);
             return Ok(());
         }
-        let mut st = self.shards.lock().unwrap();
+        let mut st = self.held.lock().unwrap();
         self.expire(&mut st);
         let held: usize = st
+            .shards
             .iter()
             .filter(|((r, _), _)| r.who == who)
             .map(|(_, s)| s.data.len())
             .sum();
-        if held + data.len() > STAGED_BYTES_MAX {
+        let max = self.bytes_max.load(Relaxed);
+        if (held + data.len()) as u64 > max {
+            Self::mark(&mut st, key, Gone::Refused);
+            self.refused.fetch_add(1, Relaxed);
+            drop(st);
+            self.arrived.notify_all();
             return Err(Error::remote(
                 Status::TooLarge,
-                format!("{who} would hold more than {STAGED_BYTES_MAX} bytes of staged shards"),
+                format!("{who} would hold more than {max} bytes of staged shards"),
             ));
         }
         let shard = StagedShard {
@@ -122,7 +185,8 @@ impl Staging {
             at: Instant::now(),
         };
         self.bytes.fetch_add(data.len() as u64, Relaxed);
-        if let Some(old) = st.insert(key, shard) {
+        st.gone.remove(&key);
+        if let Some(old) = st.shards.insert(key, shard) {
             self.bytes.fetch_sub(old.data.len() as u64, Relaxed);
         }
         self.staged.fetch_add(1, Relaxed);
@@ -131,17 +195,36 @@ impl Staging {
         Ok(())
     }
 
+    /// Refuse a shard: a write naming it fails at once (one waiting for it now, too).
+    fn refuse(&self, key: ShardKey) {
+        Self::mark(&mut self.held.lock().unwrap(), key, Gone::Refused);
+        self.refused.fetch_add(1, Relaxed);
+        self.arrived.notify_all();
+    }
+
+    fn mark(st: &mut Held, key: ShardKey, why: Gone) {
+        if st.gone.len() < GONE_MARKERS_MAX {
+            st.gone.insert(key, (Instant::now(), why));
+        }
+    }
+
     /// The staged shard a write names, removed — waiting up to [`STAGED_SHARD_WAIT`] for it
-    /// to arrive; `NotStaged` when it is not here by then or not what the write says it is
-    /// (another PG, another length).
+    /// to arrive unless this node refused or dropped it; `NotStaged` when it is not here by
+    /// then, will not come, or is not what the write says it is (another PG, another length).
     pub fn take(&self, r: &StagedRef, slot: u8, pool: u64, pg: u32) -> Result<StagedShard> {
         let key = (r.upload, slot);
         let deadline = Instant::now() + STAGED_SHARD_WAIT;
-        let mut st = self.shards.lock().unwrap();
+        let mut st = self.held.lock().unwrap();
         let mut waited = false;
-        while !st.contains_key(&key) {
+        let mut gone = None;
+        while !st.shards.contains_key(&key) {
+            if let Some(&(_, why)) = st.gone.get(&key) {
+                gone = Some(why);
+                break;
+            }
             let now = Instant::now();
             if now >= deadline {
+                self.wait_timeouts.fetch_add(1, Relaxed);
                 break;
             }
             if !waited {
@@ -150,10 +233,11 @@ impl Staging {
             }
             st = self.arrived.wait_timeout(st, deadline - now).unwrap().0;
         }
-        let s = st.remove(&key);
+        let s = st.shards.remove(&key);
         if let Some(s) = &s {
             self.bytes.fetch_sub(s.data.len() as u64, Relaxed);
         }
+        drop(st);
         match s {
             Some(s) if s.pool == pool && s.pg == pg && s.data.len() == r.len as usize => {
                 self.taken.fetch_add(1, Relaxed);
@@ -161,23 +245,30 @@ impl Staging {
             }
             s => {
                 self.missing.fetch_add(1, Relaxed);
+                let (id, who) = (r.upload.id, r.upload.who);
                 Err(Error::remote(
                     Status::NotStaged,
-                    match s {
-                        Some(s) => format!(
-                            "upload {} of {} staged {} bytes of shard {slot} for pg {}.{:x}, \
+                    match (s, gone) {
+                        (Some(s), _) => format!(
+                            "upload {id} of {who} staged {} bytes of shard {slot} for pg {}.{:x}, \
                              not {} for pg {pool}.{pg:x}",
-                            r.upload.id,
-                            r.upload.who,
                             s.data.len(),
                             s.pool,
                             s.pg,
                             r.len
                         ),
-                        None => format!(
-                            "no shard {slot} of upload {} from {} staged here (expired, \
-                             never sent, or the node restarted)",
-                            r.upload.id, r.upload.who
+                        (None, Some(Gone::Refused)) => {
+                            format!("shard {slot} of upload {id} from {who} was refused here")
+                        }
+                        (None, Some(Gone::Expired)) => format!(
+                            "shard {slot} of upload {id} from {who} expired here unused \
+                             (kept {} s)",
+                            STAGED_SHARD_TTL.as_secs()
+                        ),
+                        (None, None) => format!(
+                            "no shard {slot} of upload {id} from {who} staged here within {} s \
+                             (never sent, lost with its connection, or the node restarted)",
+                            STAGED_SHARD_WAIT.as_secs()
                         ),
                     },
                 ))
@@ -185,15 +276,22 @@ impl Staging {
         }
     }
 
-    fn expire(&self, st: &mut HashMap<(ReqId, u8), StagedShard>) {
-        let before = st.len();
-        st.retain(|_, s| {
+    fn expire(&self, st: &mut Held) {
+        let before = st.shards.len();
+        let mut dropped = Vec::new();
+        st.shards.retain(|k, s| {
             let keep = s.at.elapsed() < STAGED_SHARD_TTL;
             if !keep {
                 self.bytes.fetch_sub(s.data.len() as u64, Relaxed);
+                dropped.push(*k);
             }
             keep
         });
-        self.expired.fetch_add((before - st.len()) as u64, Relaxed);
+        self.expired
+            .fetch_add((before - st.shards.len()) as u64, Relaxed);
+        st.gone.retain(|_, (at, _)| at.elapsed() < STAGED_SHARD_TTL);
+        for k in dropped {
+            Self::mark(st, k, Gone::Expired);
+        }
     }
 }
