@@ -513,6 +513,15 @@ fn a_resent_append_with_the_same_request_id_is_applied_once() {
     let w2 = append(b"log2", 0);
     assert!(w2 > w1);
     assert_eq!(c.get(pool, b"log2").unwrap(), b"start;entry;entry;");
+    // A resend after 300 more writes to its object and PG (past the object's history of 8
+    // and past 256 per PG) but within the primary's time window: still answered, not applied.
+    let v = append(b"log", 5_000);
+    for r in 0..300u64 {
+        append(b"log", 6_000 + r);
+    }
+    assert_eq!(append(b"log", 5_000), v);
+    let want = format!("start;{}", "entry;".repeat(2 + 1 + 300));
+    assert!(c.get(pool, b"log").unwrap() == want.as_bytes());
     m.shutdown();
 }
 

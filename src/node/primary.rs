@@ -140,31 +140,47 @@ const SETTLE_RANGE_BYTES_MIN: usize = 64 << 10;
 
 /// Client mutations this primary applied recently, (client, `ClientOp::reqid`) → the version
 /// they made, so a resend of one (its reply was lost, or the client gave up waiting) is
-/// answered with that version instead of being applied twice. The newest
-/// [`APPLIED_PER_PG_MAX`] per PG, in memory. A resend that reaches another primary is
-/// recognised by the object instead: each shard keeps the request ids of the writes that made
-/// the object's last versions (`ObjState::reqs`).
+/// answered with that version instead of being applied twice. In memory, per PG: every one
+/// applied within the last `keep` (the node's `tombstone_keep_s`, 120 s by default: four times
+/// the clients' op deadline, after which they no longer resend), however fast the PG is
+/// written, up to [`APPLIED_PER_PG_MAX`]; and at least the newest [`APPLIED_PER_PG_MIN`]
+/// whatever their age. A resend that reaches another primary is recognised by the object
+/// instead: each shard keeps the request ids of the writes that made the object's last
+/// versions (`ObjState::reqs`).
 #[derive(Default)]
 struct Applied {
     versions: HashMap<ReqId, u64>,
-    order: VecDeque<ReqId>,
+    /// Oldest first, with when each was applied.
+    order: VecDeque<(ReqId, Instant)>,
 }
 
-/// Request ids a PG's primary remembers (~40 bytes each).
-const APPLIED_PER_PG_MAX: usize = 256;
+/// Request ids a PG's primary keeps whatever their age.
+const APPLIED_PER_PG_MIN: usize = 256;
+/// Most request ids a PG's primary keeps (~72 bytes each with the map's and the queue's
+/// overhead: ~1.2 MiB for a PG written 130 times a second for two minutes). Past it a resend
+/// of an older write is still recognised by its object's history (its last 8 writes).
+const APPLIED_PER_PG_MAX: usize = 16 << 10;
 
 impl Applied {
     fn get(&self, r: ReqId) -> Option<u64> {
         self.versions.get(&r).copied()
     }
 
-    fn insert(&mut self, r: ReqId, version: u64) {
+    /// Remember `r` made `version` (applied `now`), and forget those older than `keep` beyond
+    /// the newest [`APPLIED_PER_PG_MIN`].
+    fn insert(&mut self, r: ReqId, version: u64, now: Instant, keep: Duration) {
         if self.versions.insert(r, version).is_none() {
-            self.order.push_back(r);
-            if self.order.len() > APPLIED_PER_PG_MAX {
-                let old = self.order.pop_front().expect("non-empty");
-                self.versions.remove(&old);
-            }
+            self.order.push_back((r, now));
+        }
+        while self.order.len() > APPLIED_PER_PG_MAX
+            || (self.order.len() > APPLIED_PER_PG_MIN
+                && self
+                    .order
+                    .front()
+                    .is_some_and(|&(_, at)| now.saturating_duration_since(at) > keep))
+        {
+            let (old, _) = self.order.pop_front().expect("non-empty");
+            self.versions.remove(&old);
         }
     }
 }
@@ -222,6 +238,12 @@ pub(super) struct Mutation<'a> {
 }
 
 impl Node {
+    /// How long a PG's primary remembers the request ids of the mutations it applied (see
+    /// [`Applied`]): as long as the PG's members keep a removed object's tombstone.
+    fn applied_keep(&self) -> Duration {
+        Duration::from_secs(self.cfg.tombstone_keep_s)
+    }
+
     pub(super) fn run_client_op(
         &self,
         job: &Incoming,
@@ -331,7 +353,7 @@ impl Node {
         // a primary before this one, which died or lost the PG before it replied, and maybe
         // overwritten since): the history holds only versions that stand.
         if let Some((r, v)) = src.reqid.and_then(|r| Some((r, st.reqs.version_of(r)?))) {
-            c.applied.insert(r, v);
+            c.applied.insert(r, v, Instant::now(), self.applied_keep());
             return Ok(answer(v));
         }
         for o in &op.ops {
@@ -393,7 +415,7 @@ impl Node {
             let reqid = src.reqid;
             let v = self.write(&ctx, &mut c, op.name, &st, m, src)?;
             if let Some(r) = reqid {
-                c.applied.insert(r, v);
+                c.applied.insert(r, v, Instant::now(), self.applied_keep());
             }
             v
         };
@@ -2311,6 +2333,51 @@ mod tests {
     use super::*;
     use messenger::checksum::crc32c;
     use proptest::prelude::*;
+
+    fn req(id: u64) -> ReqId {
+        ReqId {
+            who: messenger::Identity::Client(7),
+            id,
+        }
+    }
+
+    /// A primary remembers every mutation of the last `keep`, however many (up to the cap),
+    /// and at least the newest 256 whatever their age.
+    #[test]
+    fn applied_requests_are_kept_for_their_time_not_only_the_last_256() {
+        let keep = Duration::from_secs(120);
+        let t0 = Instant::now();
+        let mut a = Applied::default();
+        // 5 000 writes within a second: all recognised.
+        for i in 0..5_000u64 {
+            a.insert(req(i), i + 1, t0 + Duration::from_micros(i * 200), keep);
+        }
+        assert_eq!(a.order.len(), 5_000);
+        assert_eq!(a.get(req(0)), Some(1));
+        assert_eq!(a.get(req(4_999)), Some(5_000));
+        // A resend recorded again keeps its first entry.
+        a.insert(req(10), 11, t0 + Duration::from_secs(1), keep);
+        assert_eq!(a.order.len(), 5_000);
+        // Two minutes on: one more write forgets those older than `keep`, down to the newest
+        // 256 (which stay whatever their age).
+        let later = t0 + Duration::from_secs(125);
+        a.insert(req(9_000), 9_001, later, keep);
+        assert_eq!(a.order.len(), APPLIED_PER_PG_MIN);
+        assert_eq!(a.get(req(0)), None);
+        assert_eq!(a.get(req(4_999)), Some(5_000));
+        assert_eq!(a.get(req(9_000)), Some(9_001));
+        assert_eq!(a.get(req(5_000 - 256)), None);
+        assert_eq!(a.get(req(5_000 - 255)), Some(5_000 - 254));
+        assert_eq!(a.versions.len(), a.order.len());
+        // The cap holds at any rate.
+        for i in 0..(APPLIED_PER_PG_MAX as u64 + 100) {
+            a.insert(req(100_000 + i), i, later, keep);
+        }
+        assert_eq!(a.order.len(), APPLIED_PER_PG_MAX);
+        assert_eq!(a.versions.len(), APPLIED_PER_PG_MAX);
+        assert_eq!(a.get(req(100_000 + 99)), None);
+        assert_eq!(a.get(req(100_000 + 100)), Some(100));
+    }
 
     /// A member's reply of `n` bytes in chunks of `chunk` (the last one short), as parsed,
     /// clipped to `clip` bytes of meaning, asked for `len`.
