@@ -385,9 +385,9 @@ fn class_of(len: usize) -> Option<(usize, usize)> {
 const FLUSH_ON_RELEASE_MAX: usize = SMALL_MAX;
 
 /// Evict `len` bytes at `ptr` from the CPU caches (x86-64 `clflush`; nothing elsewhere). A
-/// pooled region is next written by a device: a virtual disk's backend copies into it from
-/// another host core, which must first invalidate every line this core still holds — the
-/// lines a read's CRC check and its caller just touched. Measured on this project's VM (one
+/// pooled region is next written by a device; most likely a virtual disk's backend, copying
+/// into it from another host core, must first invalidate every line this core still holds —
+/// the lines a read's CRC check and its caller just touched. Measured on this project's VM (one
 /// thread keeping 32 random 4 KiB reads in flight, eight alternating rounds): the bare
 /// driver's loop summing each buffer ran 0.942× of the same loop not touching it, and 0.985×
 /// when it also flushed the buffer's 64 lines; spending as long spinning, or on 6–10 cache
@@ -395,7 +395,7 @@ const FLUSH_ON_RELEASE_MAX: usize = SMALL_MAX;
 /// after the others of its class (so some of its lines have left the cache by then), six
 /// alternating `read-knobs` pairs: one thread 0.938 vs 0.921 of the driver's loop, 32
 /// threads 0.881 vs 0.845 (medians of 36 rounds each; a single set of three pairs is within
-/// its noise). Flushing 4 KiB costs a few hundred nanoseconds.
+/// its noise).
 fn flush_lines(ptr: *const u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
     for off in (0..len).step_by(64) {
