@@ -20,8 +20,8 @@
 //! A write can reach a member before the shard it names (the client sends its op right behind
 //! its stages, and the op's path through the primary can overtake a stage), so a member waits
 //! for a missing shard — but only while it may still come. A shard this node refused (over
-//! the client's budget, too large) or dropped unused (its TTL) leaves a marker
-//! for [`STAGED_SHARD_TTL`]: a write naming it fails at once, and one already waiting for it
+//! the client's budget, too large) or dropped unused (its TTL) leaves a marker, kept at
+//! least [`STAGED_SHARD_TTL`]: a write naming it fails at once, and one already waiting for it
 //! is woken to fail. Only a shard this node never heard of (it restarted after taking it, or
 //! the stage was lost with its connection) is waited for, up to [`STAGED_SHARD_WAIT`].
 
@@ -45,8 +45,9 @@ pub const STAGED_BYTES_MAX: usize = 256 << 20;
 /// after its stages, not after their replies, so the primary's write can overtake a stage.
 /// A shard this node refused or dropped is not waited for (see the module's docs).
 pub const STAGED_SHARD_WAIT: Duration = Duration::from_secs(2);
-/// Most markers of refused or expired shards kept at once (each ~80 bytes, for at most
-/// [`STAGED_SHARD_TTL`]); past it a write naming an unmarked shard waits as for a lost one.
+/// Most markers of refused or expired shards kept at once (each ~80 bytes; those older than
+/// [`STAGED_SHARD_TTL`] are dropped when the count reaches it); past it a write naming an
+/// unmarked shard waits as for a lost one.
 pub const GONE_MARKERS_MAX: usize = 1 << 16;
 
 /// One staged shard: its bytes where they lie in the received message.
@@ -74,7 +75,7 @@ type ShardKey = (ReqId, u8);
 #[derive(Default)]
 struct Held {
     shards: HashMap<ShardKey, StagedShard>,
-    /// Shards that will not come, and since when (dropped after [`STAGED_SHARD_TTL`]).
+    /// Shards that will not come, and since when (see [`Staging::mark`]).
     gone: HashMap<ShardKey, (Instant, Gone)>,
 }
 
@@ -168,10 +169,8 @@ impl Staging {
             .sum();
         let max = self.bytes_max.load(Relaxed);
         if (held + data.len()) as u64 > max {
-            Self::mark(&mut st, key, Gone::Refused);
-            self.refused.fetch_add(1, Relaxed);
             drop(st);
-            self.arrived.notify_all();
+            self.refuse(key);
             return Err(Error::remote(
                 Status::TooLarge,
                 format!("{who} would hold more than {max} bytes of staged shards"),
@@ -202,7 +201,12 @@ impl Staging {
         self.arrived.notify_all();
     }
 
+    /// Markers are dropped only when they reach [`GONE_MARKERS_MAX`] (then those past the
+    /// TTL): one outliving its TTL is harmless, as upload ids do not repeat.
     fn mark(st: &mut Held, key: ShardKey, why: Gone) {
+        if st.gone.len() >= GONE_MARKERS_MAX {
+            st.gone.retain(|_, (at, _)| at.elapsed() < STAGED_SHARD_TTL);
+        }
         if st.gone.len() < GONE_MARKERS_MAX {
             st.gone.insert(key, (Instant::now(), why));
         }
@@ -289,7 +293,6 @@ impl Staging {
         });
         self.expired
             .fetch_add((before - st.shards.len()) as u64, Relaxed);
-        st.gone.retain(|_, (at, _)| at.elapsed() < STAGED_SHARD_TTL);
         for k in dropped {
             Self::mark(st, k, Gone::Expired);
         }
