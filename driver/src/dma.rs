@@ -380,33 +380,6 @@ fn class_of(len: usize) -> Option<(usize, usize)> {
     Some((c, class_bytes(c)))
 }
 
-/// Regions of at most this many bytes have their cache lines flushed as they return to the
-/// pool (see [`flush_lines`]).
-const FLUSH_ON_RELEASE_MAX: usize = SMALL_MAX;
-
-/// Evict `len` bytes at `ptr` from the CPU caches (x86-64 `clflush`; nothing elsewhere). A
-/// pooled region is next written by a device; most likely a virtual disk's backend, copying
-/// into it from another host core, must first invalidate every line this core still holds —
-/// the lines a read's CRC check and its caller just touched. Measured on this project's VM (one
-/// thread keeping 32 random 4 KiB reads in flight, eight alternating rounds): the bare
-/// driver's loop summing each buffer ran 0.942× of the same loop not touching it, and 0.985×
-/// when it also flushed the buffer's 64 lines; spending as long spinning, or on 6–10 cache
-/// misses elsewhere, cost it nothing. In the store, whose pool hands a region out again only
-/// after the others of its class (so some of its lines have left the cache by then), six
-/// alternating `read-knobs` pairs: one thread 0.938 vs 0.921 of the driver's loop, 32
-/// threads 0.881 vs 0.845 (medians of 36 rounds each; a single set of three pairs is within
-/// its noise).
-fn flush_lines(ptr: *const u8, len: usize) {
-    #[cfg(target_arch = "x86_64")]
-    for off in (0..len).step_by(64) {
-        // SAFETY: `ptr..ptr + len` is a region this allocator owns (being released, no buffer
-        // refers to it); `clflush` only evicts a line from the caches, its bytes stay.
-        unsafe { std::arch::x86_64::_mm_clflush(ptr.add(off)) };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (ptr, len);
-}
-
 /// Transparent huge page size (x86-64 and aarch64 with 4 KiB base pages).
 const HUGE_PAGE: usize = 2 << 20;
 
@@ -507,14 +480,9 @@ unsafe impl DmaOwner for HostMemory {
         if let Some((c, size)) = class_of(len) {
             // Reserve the bytes first, so racing releases cannot keep more than the bound.
             if self.kept.fetch_add(size, Relaxed) + size <= KEEP_BYTES_MAX
-                && !self.free[c].is_full()
+                && self.free[c].push(ptr.as_ptr() as usize).is_ok()
             {
-                if len <= FLUSH_ON_RELEASE_MAX {
-                    flush_lines(ptr.as_ptr(), len);
-                }
-                if self.free[c].push(ptr.as_ptr() as usize).is_ok() {
-                    return;
-                }
+                return;
             }
             self.kept.fetch_sub(size, Relaxed);
         }
@@ -546,8 +514,8 @@ impl Drop for HostMemory {
 mod tests {
     use super::*;
 
-    /// A small region is flushed from the caches as it returns to the pool: its bytes stay
-    /// (a read buffer handed out again keeps what it last held).
+    /// A region returned to the pool is handed out again for a read as it is: the same
+    /// region, its bytes kept (not zeroed again).
     #[test]
     fn a_released_small_region_keeps_its_bytes() {
         let mem = HostMemory::new(4096);

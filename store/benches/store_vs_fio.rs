@@ -128,6 +128,20 @@ fn main() {
             ""
         }
     );
+    // Figures differ between host CPUs (a cache flush that gained 2 % on one cost another
+    // 40 %): every run names the one it ran on.
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .map(|m| m.trim_start_matches([' ', '\t', ':']).to_string())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    println!(
+        "  CPU: {cpu}, {} threads",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
 
     let only = std::env::var("NVSTORE_BENCH_ONLY").unwrap_or_default();
     let want = |name: &str| only.is_empty() || only.split(',').any(|o| o == name);
