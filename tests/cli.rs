@@ -273,3 +273,88 @@ fn cluster_cut_on_a_loopback_cluster_says_it_needs_netns() {
     );
     assert!(err.contains("--netns applies to a new cluster"), "{err}");
 }
+
+/// A device another opener holds (here this test, standing in for a running node) is refused
+/// by `store-tool` and by `mkfs` with a message saying it is in use, and nothing in it
+/// changes: `mkfs --size` over it neither truncates nor relabels it. Once let go, the same
+/// commands work.
+#[test]
+fn a_device_in_use_is_refused_by_store_tool_and_mkfs_and_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev_path = dir.path().join("dev.img");
+    let d = dev_path.to_str().unwrap();
+    let fsid = "6b1c2a9e-0d3f-4e21-9a57-3c8e1f2d4b60";
+    let other = "0f0e0d0c-0b0a-4908-8706-050403020100";
+    ok(
+        &nvstore(
+            &[
+                "mkfs",
+                "--device",
+                d,
+                "--cluster",
+                fsid,
+                "--node",
+                "3",
+                "--size",
+                "128M",
+            ],
+            None,
+        ),
+        "mkfs",
+    );
+    let src = dir.path().join("k1.bin");
+    std::fs::write(&src, b"kept through a refused mkfs").unwrap();
+    let src = src.to_str().unwrap();
+    ok(
+        &nvstore(&["store-tool", "--device", d, "put", "1", "k1", src], None),
+        "put",
+    );
+    let held = driver::FileDevice::open(&dev_path, driver::FileOptions::default()).unwrap();
+    for (args, what) in [
+        (
+            vec!["store-tool", "--device", d, "ls", "--pool", "1"],
+            "store-tool ls",
+        ),
+        (
+            vec![
+                "mkfs",
+                "--device",
+                d,
+                "--cluster",
+                other,
+                "--node",
+                "4",
+                "--size",
+                "256M",
+            ],
+            "mkfs over it",
+        ),
+    ] {
+        let o = nvstore(&args, None);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{what} must be refused");
+        assert!(
+            err.contains(d) && err.contains("in use: another opener holds it"),
+            "{what}: {err}"
+        );
+    }
+    assert_eq!(
+        std::fs::metadata(&dev_path).unwrap().len(),
+        128 << 20,
+        "not truncated"
+    );
+    drop(held);
+    let out = ok(
+        &nvstore(&["store-tool", "--device", d, "info"], None),
+        "info",
+    );
+    assert!(
+        out.contains(fsid) && out.contains("node            3"),
+        "{out}"
+    );
+    let out = ok(
+        &nvstore(&["store-tool", "--device", d, "get", "1", "k1"], None),
+        "get",
+    );
+    assert_eq!(out, "kept through a refused mkfs");
+}

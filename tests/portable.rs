@@ -123,11 +123,18 @@ fn a_disk_moved_to_another_host_rejoins_as_its_node_and_nothing_moves() {
         assert!(c.get(pool, n.as_bytes()).unwrap() == *d, "{n}");
     }
 
-    // The device labelled for node 3 is refused by a config that says node 4.
+    // The device labelled for node 3 is refused by a config that says node 4: while node 3
+    // runs on it, because it is in use; once node 3 stopped, because of the label.
     let cfg = member_config(&h.lc, "node.wrongid", |cfg| {
         cfg.id = 4;
         cfg.host = "h-elsewhere".into();
     });
+    let e = refused(&cfg);
+    assert!(
+        e.contains("dev0.img: in use: another opener holds it"),
+        "{e}"
+    );
+    h.lc.stop_member("node.3moved", false).unwrap();
     let e = refused(&cfg);
     assert!(e.contains("id 4") && e.contains("node 3"), "{e}");
 

@@ -40,6 +40,9 @@ pub enum Error {
         blocks: u32,
         detail: String,
     },
+    /// The device is held by another opener (see `FileOptions::exclusive`).
+    #[error("{device}: in use: {detail}")]
+    InUse { device: Arc<str>, detail: String },
     /// Every queue the device offers is already open.
     #[error("{device}: no free queue: all {count} queues are open")]
     NoQueue { device: Arc<str>, count: u32 },

@@ -53,6 +53,13 @@ pub struct FileOptions {
     /// Open with O_DIRECT. If the file system refuses (tmpfs), the device falls back to
     /// buffered IO and logs it once; durability still comes from fdatasync.
     pub direct: bool,
+    /// Hold the device alone for as long as it is open: an exclusive advisory lock (`flock`)
+    /// on the file, and for a kernel block device also `O_EXCL` (the kernel then refuses a
+    /// disk that is mounted or held by another program). A second opener — another node, or
+    /// `store-tool` on a running node's device — gets [`Error::InUse`] instead of both
+    /// writing one log. Only a tool that deliberately reads or writes a device beside its
+    /// owner (a benchmark's raw loop, a test's corruption) turns this off.
+    pub exclusive: bool,
 }
 
 impl Default for FileOptions {
@@ -64,6 +71,7 @@ impl Default for FileOptions {
             max_transfer_bytes: 4 << 20,
             engine: Engine::Auto,
             direct: true,
+            exclusive: true,
         }
     }
 }
@@ -75,6 +83,8 @@ const BUF_ALIGN_BYTES: usize = 4096;
 
 struct Inner {
     file: File,
+    /// Holds the device alone while it is open (see [`hold`]); `None` without `exclusive`.
+    _lock: Option<File>,
     name: Arc<str>,
     geometry: Geometry,
     engine: Engine,
@@ -273,14 +283,25 @@ impl FileDevice {
                 source,
             }
         };
-        let f = File::create(path).map_err(io("create"))?;
-        f.set_len(size_bytes).map_err(io("set length"))?;
-        drop(f);
-        Self::open(path, opts)
+        // Created if missing but not truncated yet: a file another opener holds is refused
+        // (below, by its lock) before anything in it changes.
+        OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(io("create"))?;
+        Self::open_sized(path, opts, Some(size_bytes))
     }
 
     /// Open an existing file or block device.
     pub fn open(path: &Path, opts: FileOptions) -> Result<Self> {
+        Self::open_sized(path, opts, None)
+    }
+
+    /// Open `path`; with `resize`, a regular file is then emptied and sized to that many bytes
+    /// (once its lock is held).
+    fn open_sized(path: &Path, opts: FileOptions, resize: Option<u64>) -> Result<Self> {
         let name: Arc<str> = path.display().to_string().into();
         let io_err = |what: &'static str, source| Error::Io {
             device: name.clone(),
@@ -288,7 +309,18 @@ impl FileDevice {
             source,
         };
         check_options(&name, &opts)?;
+        let block_dev = std::fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device());
+        let lock = if opts.exclusive {
+            Some(hold(path, block_dev, &name)?)
+        } else {
+            None
+        };
         let file = open_file(path, opts.direct).map_err(|e| io_err("open", e))?;
+        if let Some(size) = resize.filter(|_| !block_dev) {
+            file.set_len(0)
+                .and_then(|()| file.set_len(size))
+                .map_err(|e| io_err("set length", e))?;
+        }
         let meta = file.metadata().map_err(|e| io_err("stat", e))?;
         let bytes = if meta.file_type().is_block_device() {
             block_device_size(&file).map_err(|e| io_err("BLKGETSIZE64", e))?
@@ -309,6 +341,7 @@ impl FileDevice {
         Ok(FileDevice {
             inner: Arc::new(Inner {
                 file,
+                _lock: lock,
                 name,
                 geometry,
                 engine,
@@ -365,6 +398,46 @@ fn check_options(name: &Arc<str>, o: &FileOptions) -> Result<()> {
     Ok(())
 }
 
+/// The descriptor that holds a device alone (`FileOptions::exclusive`): opened apart from the
+/// one IO goes through, so closing it releases the device at once — the IO descriptor is
+/// registered with the queues' io_uring instances, which the kernel tears down (and lets go
+/// of the file) only some time after they are closed. Held with an exclusive `flock`, and
+/// for a block device opened with `O_EXCL`.
+fn hold(path: &Path, block_dev: bool, name: &Arc<str>) -> Result<File> {
+    let in_use = |detail: &str| Error::InUse {
+        device: name.clone(),
+        detail: detail.into(),
+    };
+    let io = |what, source| Error::Io {
+        device: name.clone(),
+        what,
+        source,
+    };
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(if block_dev { libc::O_EXCL } else { 0 })
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::EBUSY) if block_dev => in_use(
+                "the kernel reports the block device busy (mounted, or held by another program)",
+            ),
+            _ => io("open", e),
+        })?;
+    // SAFETY: flock on a descriptor this File owns; no memory is passed.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(match e.raw_os_error() {
+            Some(libc::EWOULDBLOCK) => {
+                in_use("another opener holds it (a running node, or a store tool); stop that first")
+            }
+            _ => io("lock", e),
+        });
+    }
+    Ok(f)
+}
+
+/// Open `path` read-write, with O_DIRECT when `direct` (falling back to buffered IO where the
+/// file system refuses it).
 fn open_file(path: &Path, direct: bool) -> std::io::Result<File> {
     let plain = || OpenOptions::new().read(true).write(true).open(path);
     if !direct {
@@ -921,6 +994,56 @@ impl Drop for FileQueue {
 mod tests {
     use super::*;
     use crate::device::Request;
+
+    /// A device is held alone while open: a second open, or a create over it, is refused
+    /// with `InUse` and changes nothing; an open with `exclusive` off is let through (a raw
+    /// reader beside the owner); once the owner is dropped the file opens again.
+    #[test]
+    fn an_open_device_is_refused_to_a_second_opener_and_its_bytes_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.img");
+        let dev = FileDevice::create(&path, 1 << 20, FileOptions::default()).unwrap();
+        let mut q = dev.open_queue().unwrap();
+        let mut buf = dev.alloc_buf(4096).unwrap();
+        buf.write_at(0, &[0xa5; 4096]);
+        let c = crate::io::execute(
+            &mut q,
+            Request::write(3, 1, buf, 0, true, 1),
+            Duration::from_secs(30),
+        );
+        c.result.unwrap();
+        for e in [
+            FileDevice::open(&path, FileOptions::default()).err(),
+            FileDevice::create(&path, 2 << 20, FileOptions::default()).err(),
+        ] {
+            let e = e.expect("refused while the first device is open");
+            assert!(matches!(e, Error::InUse { .. }), "got {e}");
+            assert!(
+                e.to_string().contains("in use: another opener holds it"),
+                "{e}"
+            );
+        }
+        let beside = FileOptions {
+            exclusive: false,
+            ..FileOptions::default()
+        };
+        let raw = FileDevice::open(&path, beside).unwrap();
+        assert_eq!(raw.geometry().capacity_bytes(), 1 << 20, "not truncated");
+        let mut rq = raw.open_queue().unwrap();
+        let rbuf = raw.alloc_read_buf(4096).unwrap();
+        let c = crate::io::execute(
+            &mut rq,
+            Request::read(3, 1, rbuf, 0, 2),
+            Duration::from_secs(30),
+        );
+        assert!(
+            c.buf.unwrap().eq_at(0, &[0xa5; 4096]),
+            "the held device's bytes are intact"
+        );
+        drop((q, rq, raw, dev));
+        let again = FileDevice::open(&path, FileOptions::default()).unwrap();
+        assert_eq!(again.geometry().capacity_bytes(), 1 << 20);
+    }
 
     /// A 16 MiB sparse file through io_uring, and the directory that holds it.
     fn uring_dev() -> (tempfile::TempDir, FileDevice) {

@@ -48,6 +48,16 @@ fn env_u64(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
+/// Options for the handles the bench opens beside the one `fresh` returns, which holds the
+/// file's lock: a second bench on the same file is refused at `fresh` instead of writing
+/// into this one's store.
+fn beside() -> FileOptions {
+    FileOptions {
+        exclusive: false,
+        ..FileOptions::default()
+    }
+}
+
 fn fresh(path: &Path, size: u64, no_ckpt: bool) -> (Store<FileDevice>, FileDevice) {
     let dev = FileDevice::create(path, size, FileOptions::default()).expect("bench file");
     mkfs(
@@ -58,7 +68,7 @@ fn fresh(path: &Path, size: u64, no_ckpt: bool) -> (Store<FileDevice>, FileDevic
         },
     )
     .expect("mkfs");
-    let reopen = FileDevice::open(path, FileOptions::default()).unwrap();
+    let reopen = FileDevice::open(path, beside()).unwrap();
     let (s, _) = Store::open(reopen, None, StoreConfig::default()).expect("open");
     (s, dev)
 }
@@ -450,7 +460,7 @@ fn small_reads(path: &Path, size: u64, secs: f64, rounds: usize, quick: bool) {
         .and_then(|v| v.parse().ok())
         .unwrap_or(1);
     // The driver loop opens the file beside the store (idle meanwhile).
-    let raw = FileDevice::open(path, FileOptions::default()).ok();
+    let raw = FileDevice::open(path, beside()).ok();
     println!("\n## 4 KiB reads of {n} objects, 32 readers vs fio randread 4K QD32");
     println!(
         "  fio span: the first {} MiB of the file, where the store's data is ({:.1} % holes); \
@@ -686,7 +696,7 @@ fn read_knobs(path: &Path, size: u64, quick: bool) {
     nvstore_store::bench::fill(&s, n, &[0x22u8; 4096], 32);
     let ext = driver::workload::data_extents(path).unwrap_or_default();
     let span = ext.iter().map(|(o, l)| o + l).max().unwrap_or(size) / 4096 * 4096;
-    let raw = FileDevice::open(path, FileOptions::default()).expect("bench file");
+    let raw = FileDevice::open(path, beside()).expect("bench file");
     let knobs: Vec<(usize, usize)> = std::env::var("NVSTORE_READ_KNOBS")
         .unwrap_or_else(|_| "4:4,1:4".into())
         .split(',')
@@ -749,7 +759,7 @@ fn restart(path: &Path, size: u64, n: u64) {
         drop(s);
         let t = Instant::now();
         let (s, r) = Store::open(
-            FileDevice::open(path, FileOptions::default()).unwrap(),
+            FileDevice::open(path, beside()).unwrap(),
             None,
             StoreConfig::default(),
         )
