@@ -430,6 +430,16 @@ fn hold(path: &Path, block_dev: bool, name: &Arc<str>) -> Result<File> {
             Some(libc::EWOULDBLOCK) => {
                 in_use("another opener holds it (a running node, or a store tool); stop that first")
             }
+            // A file system without locks (some FUSE ones) must not keep a node down: it runs
+            // unguarded, and says so.
+            Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS) => {
+                tracing::warn!(
+                    device = %name,
+                    error = %e,
+                    "the file system cannot lock the device file: another opener is not refused"
+                );
+                return Ok(f);
+            }
             _ => io("lock", e),
         });
     }
