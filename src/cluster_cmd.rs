@@ -294,12 +294,15 @@ impl LocalCluster {
     fn alive(pid: i32) -> bool {
         // SAFETY: kill with signal 0 only checks that the process exists.
         let exists = unsafe { libc::kill(pid, 0) } == 0;
-        exists
-            && !std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-                s.rsplit(')')
-                    .next()
-                    .is_some_and(|r| r.trim_start().starts_with('Z'))
-            })
+        let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            s.rsplit(')')
+                .next()
+                .is_some_and(|r| r.trim_start().starts_with('Z'))
+        });
+        // A process's main thread turns zombie before its other threads have exited, and
+        // its files (a device's lock) close only with the last of them: alive until then.
+        let threads = std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |d| d.count());
+        exists && (!zombie || threads > 1)
     }
 
     /// Whether the process recorded for `member` ("mon.N" or "node.N") is running.
@@ -373,6 +376,12 @@ impl LocalCluster {
         if Self::alive(pid) {
             // SAFETY: as above.
             unsafe { libc::kill(pid, libc::SIGKILL) };
+            // Gone for good before this returns: its devices are free for the next opener.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Self::alive(pid) && Instant::now() < deadline {
+                reap();
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
         reap();
         self.save_pids(&pids)?;

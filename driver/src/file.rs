@@ -56,8 +56,8 @@ pub struct FileOptions {
     /// Hold the device alone for as long as it is open: an exclusive advisory lock (`flock`)
     /// on the file, and for a kernel block device also `O_EXCL` (the kernel then refuses a
     /// disk that is mounted or held by another program). A second opener — another node, or
-    /// `store-tool` on a running node's device — gets [`Error::InUse`] instead of both
-    /// writing one log. Only a tool that deliberately reads or writes a device beside its
+    /// `store-tool` on a running node's device — gets [`Error::InUse`] (once the device is
+    /// still held after 2 s: a holder may be just exiting) instead of both writing one log. Only a tool that deliberately reads or writes a device beside its
     /// owner (a benchmark's raw loop, a test's corruption) turns this off.
     pub exclusive: bool,
 }
@@ -398,52 +398,68 @@ fn check_options(name: &Arc<str>, o: &FileOptions) -> Result<()> {
     Ok(())
 }
 
+/// How long an open waits for another holder of the device to let go before it reports the
+/// device in use.
+const LOCK_WAIT: Duration = Duration::from_secs(2);
+
 /// The descriptor that holds a device alone (`FileOptions::exclusive`): opened apart from the
 /// one IO goes through, so closing it releases the device at once — the IO descriptor is
 /// registered with the queues' io_uring instances, which the kernel tears down (and lets go
 /// of the file) only some time after they are closed. Held with an exclusive `flock`, and
 /// for a block device opened with `O_EXCL`.
 fn hold(path: &Path, block_dev: bool, name: &Arc<str>) -> Result<File> {
-    let in_use = |detail: &str| Error::InUse {
-        device: name.clone(),
-        detail: detail.into(),
-    };
     let io = |what, source| Error::Io {
         device: name.clone(),
         what,
         source,
     };
-    let f = OpenOptions::new()
-        .read(true)
-        .custom_flags(if block_dev { libc::O_EXCL } else { 0 })
-        .open(path)
-        .map_err(|e| match e.raw_os_error() {
-            Some(libc::EBUSY) if block_dev => in_use(
-                "the kernel reports the block device busy (mounted, or held by another program)",
-            ),
-            _ => io("open", e),
-        })?;
-    // SAFETY: flock on a descriptor this File owns; no memory is passed.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } < 0 {
-        let e = std::io::Error::last_os_error();
-        return Err(match e.raw_os_error() {
-            Some(libc::EWOULDBLOCK) => {
-                in_use("another opener holds it (a running node, or a store tool); stop that first")
+    // A holder that is exiting lets go within moments (its last thread closes its files):
+    // only a device still held after LOCK_WAIT is in use.
+    let deadline = Instant::now() + LOCK_WAIT;
+    loop {
+        let busy = match OpenOptions::new()
+            .read(true)
+            .custom_flags(if block_dev { libc::O_EXCL } else { 0 })
+            .open(path)
+        {
+            Err(e) if block_dev && e.raw_os_error() == Some(libc::EBUSY) => {
+                "the kernel reports the block device busy (mounted, or held by another program)"
             }
-            // A file system without locks (some FUSE ones) must not keep a node down: it runs
-            // unguarded, and says so.
-            Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS) => {
-                tracing::warn!(
-                    device = %name,
-                    error = %e,
-                    "the file system cannot lock the device file: another opener is not refused"
-                );
-                return Ok(f);
-            }
-            _ => io("lock", e),
-        });
+            Err(e) => return Err(io("open", e)),
+            // SAFETY: flock on a descriptor this File owns; no memory is passed.
+            Ok(f) => match unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } {
+                0 => return Ok(f),
+                _ => {
+                    let e = std::io::Error::last_os_error();
+                    match e.raw_os_error() {
+                        Some(libc::EWOULDBLOCK) => {
+                            "another opener holds it (a running node, or a store tool); stop \
+                             that first"
+                        }
+                        // A file system without locks (some FUSE ones) must not keep a node
+                        // down: it runs unguarded, and says so.
+                        Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS) => {
+                            tracing::warn!(
+                                device = %name,
+                                error = %e,
+                                "the file system cannot lock the device file: another opener \
+                                 is not refused"
+                            );
+                            return Ok(f);
+                        }
+                        _ => return Err(io("lock", e)),
+                    }
+                }
+            },
+        };
+        if Instant::now() >= deadline {
+            return Err(Error::InUse {
+                device: name.clone(),
+                detail: busy.into(),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
-    Ok(f)
 }
 
 /// Open `path` read-write, with O_DIRECT when `direct` (falling back to buffered IO where the
@@ -1053,6 +1069,13 @@ mod tests {
         drop((q, rq, raw, dev));
         let again = FileDevice::open(&path, FileOptions::default()).unwrap();
         assert_eq!(again.geometry().capacity_bytes(), 1 << 20);
+        // A holder that lets go while the open waits (a process exiting) is waited for.
+        let letting_go = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            drop(again);
+        });
+        FileDevice::open(&path, FileOptions::default()).expect("opened once the holder let go");
+        letting_go.join().unwrap();
     }
 
     /// A 16 MiB sparse file through io_uring, and the directory that holds it.
