@@ -368,20 +368,20 @@ impl LocalCluster {
         let sig = if kill { libc::SIGKILL } else { libc::SIGTERM };
         // SAFETY: signalling a pid this cluster started and recorded.
         unsafe { libc::kill(pid, sig) };
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Self::alive(pid) && Instant::now() < deadline {
-            reap();
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        if Self::alive(pid) {
-            // SAFETY: as above.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-            // Gone for good before this returns: its devices are free for the next opener.
+        // Gone for good before this returns (a SIGKILL too): its devices are free for the
+        // next opener.
+        let gone = || {
             let deadline = Instant::now() + Duration::from_secs(5);
             while Self::alive(pid) && Instant::now() < deadline {
                 reap();
                 std::thread::sleep(Duration::from_millis(20));
             }
+            !Self::alive(pid)
+        };
+        if !gone() {
+            // SAFETY: as above.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            gone();
         }
         reap();
         self.save_pids(&pids)?;
