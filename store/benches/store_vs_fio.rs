@@ -11,7 +11,7 @@
 //!   per-round ratios);
 //! * restart time at 100 k and 1 M objects, with checkpoints vs without (full replay);
 //! * write amplification under churn (70 % full, random 64 KiB overwrites);
-//! * index bytes per object and peak RSS.
+//! * index bytes per object, and peak RSS for each phase and for the run.
 //!
 //! Environment: `NVSTORE_BENCH_DIR` (default: the target directory), `NVSTORE_BENCH_SECS`
 //! (default 10), `NVSTORE_BENCH_OBJECTS` (restart sizes, default "100000,1000000"),
@@ -153,10 +153,29 @@ fn main() {
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
 
+    // Peak RSS per phase as well as the run's: each phase starts a new peak.
+    let per_phase = driver::workload::reset_peak_rss();
+    let mut run_peak = 0u64;
+    let mut start_rss = driver::workload::rss_kib();
+    let mut phase_peak = |name: &str| {
+        let kib = step_peak_kib().max(PHASE_PEAK_KIB.swap(0, Ordering::Relaxed));
+        run_peak = run_peak.max(kib);
+        if per_phase {
+            println!(
+                "  peak RSS of the {name} phase: {} MiB ({} MiB resident when it began)",
+                kib >> 10,
+                start_rss >> 10
+            );
+            // Its freed heap back to the kernel, so the next phase's peak is its own.
+            driver::workload::trim_heap();
+            start_rss = driver::workload::rss_kib();
+        }
+    };
     let only = std::env::var("NVSTORE_BENCH_ONLY").unwrap_or_default();
     let want = |name: &str| only.is_empty() || only.split(',').any(|o| o == name);
     if want("latency") {
         lone_put_latency(&path, size, quick);
+        phase_peak("latency");
     }
     if want("writes") {
         let levels: Vec<usize> = std::env::var("NVSTORE_BENCH_WRITERS")
@@ -170,18 +189,22 @@ fn main() {
             })
             .collect();
         large_writes(&path, size, secs, pairs, &levels);
+        phase_peak("4 MiB writes");
     }
     if want("puts") {
         small_puts(&path, size, secs);
+        phase_peak("4 KiB puts");
     }
     if want("reads") {
         let rounds = env_u64("NVSTORE_READ_ROUNDS", if quick { 1 } else { 10 }) as usize;
         let window = env_u64("NVSTORE_READ_SECS", if quick { 1 } else { 2 }) as f64;
         small_reads(&path, size, window, rounds, quick);
+        phase_peak("4 KiB reads");
     }
     // Not in the default set: named alone, it compares the reader's poll settings.
     if only.split(',').any(|o| o == "read-knobs") {
         read_knobs(&path, size, quick);
+        phase_peak("read-knobs");
     }
 
     let sizes: Vec<u64> = std::env::var("NVSTORE_BENCH_OBJECTS")
@@ -200,6 +223,7 @@ fn main() {
         .collect();
     for n in sizes.into_iter().filter(|_| want("restart")) {
         restart(&path, size, n);
+        phase_peak(&format!("restart ({n} objects)"));
     }
     if want("churn") {
         churn(
@@ -207,8 +231,12 @@ fn main() {
             if quick { 256 << 20 } else { 2 << 30 },
             if quick { 2 } else { 3 },
         );
+        phase_peak("churn");
     }
-    println!("peak RSS: {} MiB", driver::workload::peak_rss_kib() >> 10);
+    println!(
+        "peak RSS: {} MiB",
+        run_peak.max(driver::workload::peak_rss_kib()) >> 10
+    );
     let _ = std::fs::remove_file(&path);
 }
 
@@ -287,7 +315,8 @@ fn large_writes(path: &Path, size: u64, secs: f64, pairs: usize, levels: &[usize
          writers = fio queue depth in {levels:?}"
     );
     println!(
-        "  {pairs} alternating pairs (store on a fresh store, then fio on a fresh sparse file)"
+        "  {pairs} pairs (the store on a fresh store, fio on a fresh sparse file; store first \
+         in odd pairs, fio first in even ones)"
     );
     let data = vec![0x5au8; 4 << 20];
     let objects = (size / 2) / (4 << 20);
@@ -295,35 +324,51 @@ fn large_writes(path: &Path, size: u64, secs: f64, pairs: usize, levels: &[usize
     for p in 0..pairs {
         for (&writers, lv) in levels.iter().zip(all.iter_mut()) {
             let depth = writers as u32;
-            let (s, _dev) = fresh(path, size, false);
-            let disk = DiskPhase::start(path);
-            let ops = drive(writers, secs, |t, i| {
-                s.write_full(&key((t as u64 * 1_000_000 + i) % objects), &data)
-                    .unwrap();
-            });
-            let disk_ours = disk.and_then(|d| d.finish());
-            let st = s.stats();
-            drop(s);
-            let ours = ops * 4.0 * 1048576.0 / 1e6;
-            sparse_again(path, size);
-            let disk = DiskPhase::start(path);
-            let f = fio(path, Pattern::SeqWrite, 4 << 20, depth, size / 2, secs, &[]);
-            let disk_fio = disk.and_then(|d| d.finish());
-            let theirs = f.as_ref().map(|r| r.mb_per_s());
-            // Context, not the goal's baseline: fio made about as durable as the store, a
-            // flush after every two writes. On a virtual disk with a write-back cache the
-            // flush is where the host writes the data out.
-            sparse_again(path, size);
-            let fs = fio(
-                path,
-                Pattern::SeqWrite,
-                4 << 20,
-                depth,
-                size / 2,
-                secs,
-                &["--fdatasync=2"],
-            );
-            let synced = fs.as_ref().map(|r| r.mb_per_s());
+            let store_side = || {
+                let (s, _dev) = fresh(path, size, false);
+                let disk = DiskPhase::start(path);
+                let ops = drive(writers, secs, |t, i| {
+                    s.write_full(&key((t as u64 * 1_000_000 + i) % objects), &data)
+                        .unwrap();
+                });
+                let disk_ours = disk.and_then(|d| d.finish());
+                let st = s.stats();
+                drop(s);
+                (ops * 4.0 * 1048576.0 / 1e6, st, disk_ours)
+            };
+            let fio_side = || {
+                sparse_again(path, size);
+                let disk = DiskPhase::start(path);
+                let f = fio(path, Pattern::SeqWrite, 4 << 20, depth, size / 2, secs, &[]);
+                let disk_fio = disk.and_then(|d| d.finish());
+                // Context, not the goal's baseline: fio made about as durable as the store, a
+                // flush after every two writes. On a virtual disk with a write-back cache the
+                // flush is where the host writes the data out.
+                sparse_again(path, size);
+                let fs = fio(
+                    path,
+                    Pattern::SeqWrite,
+                    4 << 20,
+                    depth,
+                    size / 2,
+                    secs,
+                    &["--fdatasync=2"],
+                );
+                (
+                    f.as_ref().map(|r| r.mb_per_s()),
+                    fs.as_ref().map(|r| r.mb_per_s()),
+                    disk_fio,
+                )
+            };
+            // Store first in even pairs, fio first in odd ones: what one side leaves in the
+            // host's write-back cache falls on either side alike.
+            let ((ours, st, disk_ours), (theirs, synced, disk_fio)) = if p % 2 == 0 {
+                let st = store_side();
+                (st, fio_side())
+            } else {
+                let fi = fio_side();
+                (store_side(), fi)
+            };
             println!(
                 "  pair {} QD{writers:<2}: store {:>8.1} MB/s ({:.1} objects/round)   fio {:>8.1} \
                  MB/s   ratio {}   (fio with fdatasync every 2 writes {:>7.1} MB/s, ratio {})",
@@ -378,6 +423,18 @@ fn large_writes(path: &Path, size: u64, secs: f64, pairs: usize, levels: &[usize
         "  best: store {ob:>8.1} MB/s (QD{ow})   fio {fb:>8.1} MB/s (QD{fw})   ratio {} (goal ≥ 0.9x)",
         ratio(ob, (fb > 0.0).then_some(fb))
     );
+}
+
+/// The highest peak RSS of the steps of the phase now running (KiB), for the phase's total.
+static PHASE_PEAK_KIB: AtomicU64 = AtomicU64::new(0);
+
+/// Peak RSS (KiB) since the last step ended, and a new peak from here; the phase's total
+/// keeps it.
+fn step_peak_kib() -> u64 {
+    let kib = driver::workload::peak_rss_kib();
+    PHASE_PEAK_KIB.fetch_max(kib, Ordering::Relaxed);
+    driver::workload::reset_peak_rss();
+    kib
 }
 
 /// The project's median (`driver::workload::median`), 0 for an empty list (fio unavailable).
@@ -753,10 +810,16 @@ fn restart(path: &Path, size: u64, n: u64) {
     let data = vec![0x33u8; 1024];
     let mut rows = Vec::new();
     for no_ckpt in [false, true] {
+        step_peak_kib();
         let (s, _dev) = fresh(path, size, no_ckpt);
         nvstore_store::bench::fill(&s, n, &data, 32);
         let idx = s.index_bytes_per_object();
+        let fill_peak = step_peak_kib();
         drop(s);
+        // What the store freed, back to the kernel: what stays resident is what it leaked.
+        driver::workload::trim_heap();
+        let closed = driver::workload::rss_kib();
+        step_peak_kib();
         let t = Instant::now();
         let (s, r) = Store::open(
             FileDevice::open(path, beside()).unwrap(),
@@ -765,15 +828,18 @@ fn restart(path: &Path, size: u64, n: u64) {
         )
         .unwrap();
         let open = t.elapsed();
+        let open_peak = step_peak_kib();
+        let opened = driver::workload::rss_kib();
         assert_eq!(r.objects, n);
         // Closing frees the index (an allocation or two per object).
         let t = Instant::now();
         drop(s);
         let close = t.elapsed();
-        rows.push((no_ckpt, open, r, idx, close));
+        let rss = [fill_peak, closed, open_peak, opened].map(|k| k >> 10);
+        rows.push((no_ckpt, open, r, idx, close, rss));
     }
     println!("\n## restart with {n} objects (1 KiB each)");
-    for (no_ckpt, open, r, idx, close) in &rows {
+    for (no_ckpt, open, r, idx, close, rss) in &rows {
         println!(
             "  {:<22} open {:>7.3} s: {} from checkpoint ({:.1} MiB), replayed {:.1} MiB of log; index {idx:.0} B/object; close {:.3} s",
             if *no_ckpt { "checkpoints off" } else { "with checkpoints" },
@@ -782,6 +848,11 @@ fn restart(path: &Path, size: u64, n: u64) {
             r.checkpoint_bytes as f64 / 1048576.0,
             r.replayed_bytes as f64 / 1048576.0,
             close.as_secs_f64()
+        );
+        println!(
+            "  {:<22} RSS (MiB): fill's peak {}, resident once closed {}, open's peak {}, \
+             resident once open {}",
+            "", rss[0], rss[1], rss[2], rss[3]
         );
     }
     println!(
