@@ -333,6 +333,9 @@ pub struct DiskCounters {
     pub write_ms: u64,
     /// Time-weighted milliseconds of requests in flight (the average queue depth × elapsed).
     pub weighted_ms: u64,
+    /// Flush requests completed and the milliseconds they took (kernels since 5.5; 0 before).
+    pub flushes: u64,
+    pub flush_ms: u64,
 }
 
 /// The counters of device `major:minor` in a `/proc/diskstats` text.
@@ -344,7 +347,8 @@ pub fn parse_diskstats(text: &str, major: u64, minor: u64) -> Option<DiskCounter
             .filter(|&(i, _)| i != 2)
             .map(|(_, v)| v.parse().ok())
             .collect::<Option<_>>()?;
-        // major minor [name] reads merged sectors ms writes merged sectors ms inflight io_ms weighted_ms
+        // major minor [name] reads merged sectors ms writes merged sectors ms inflight io_ms
+        // weighted_ms, then (4.18) discards merged sectors ms, then (5.5) flushes flush_ms
         (f.len() >= 13 && f[0] == major && f[1] == minor).then(|| DiskCounters {
             reads: f[2],
             read_sectors: f[4],
@@ -353,6 +357,8 @@ pub fn parse_diskstats(text: &str, major: u64, minor: u64) -> Option<DiskCounter
             write_sectors: f[8],
             write_ms: f[9],
             weighted_ms: f[12],
+            flushes: f.get(17).copied().unwrap_or(0),
+            flush_ms: f.get(18).copied().unwrap_or(0),
         })
     })
 }
@@ -405,6 +411,8 @@ impl DiskPhase {
                 write_sectors: e.write_sectors.saturating_sub(s.write_sectors),
                 write_ms: e.write_ms.saturating_sub(s.write_ms),
                 weighted_ms: e.weighted_ms.saturating_sub(s.weighted_ms),
+                flushes: e.flushes.saturating_sub(s.flushes),
+                flush_ms: e.flush_ms.saturating_sub(s.flush_ms),
             },
             secs: self.t0.elapsed().as_secs_f64(),
         })
@@ -412,7 +420,8 @@ impl DiskPhase {
 }
 
 impl std::fmt::Display for DiskDelta {
-    /// `writes 2048 KiB/req, 23.1 in flight, 5.20 ms` (reads instead when they moved more).
+    /// `writes 2048 KiB/req, 23.1 in flight, 5.20 ms` (reads instead when they moved more),
+    /// then `; 80 flushes/s of 1.20 ms` when the disk was flushed.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let c = &self.c;
         let (what, n, sectors, ms) = if c.read_sectors > c.write_sectors {
@@ -426,7 +435,16 @@ impl std::fmt::Display for DiskDelta {
             sectors as f64 / 2.0 / n.max(1) as f64,
             c.weighted_ms as f64 / 1e3 / self.secs.max(1e-9),
             ms as f64 / n.max(1) as f64
-        )
+        )?;
+        if c.flushes > 0 {
+            write!(
+                f,
+                "; {:.0} flushes/s of {:.2} ms",
+                c.flushes as f64 / self.secs.max(1e-9),
+                c.flush_ms as f64 / c.flushes as f64
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -627,11 +645,19 @@ mod tests {
         assert_eq!((c.reads, c.read_sectors, c.read_ms), (100, 800, 30));
         assert_eq!((c.writes, c.write_sectors, c.write_ms), (200, 819200, 1000));
         assert_eq!(c.weighted_ms, 2400);
+        assert_eq!((c.flushes, c.flush_ms), (40, 20));
         assert_eq!(parse_diskstats(text, 254, 1).unwrap().writes, 2);
         assert_eq!(parse_diskstats(text, 8, 0), None);
         let d = DiskDelta { c, secs: 2.0 };
         // 819200 sectors / 200 writes = 2048 KiB; 2.4 s of weighted time over 2 s; 5 ms each.
-        assert_eq!(d.to_string(), "writes 2048 KiB/req, 1.2 in flight, 5.00 ms");
+        // 40 flushes over 2 s, 20 ms in all.
+        assert_eq!(
+            d.to_string(),
+            "writes 2048 KiB/req, 1.2 in flight, 5.00 ms; 20 flushes/s of 0.50 ms"
+        );
+        // A kernel without flush counters (before 5.5): the old line.
+        let old = parse_diskstats("254 0 vda 1 0 8 1 2 0 16 4 0 1 2\n", 254, 0).unwrap();
+        assert_eq!((old.writes, old.flushes), (2, 0));
     }
 
     #[test]
