@@ -400,7 +400,7 @@ fn layout_of(size: usize, align: usize) -> Layout {
 /// more) are mapped from the kernel on their own and advised as huge pages; smaller ones come
 /// from the global allocator. Big regions do not come from the C heap because glibc, once
 /// it has unmapped a freed region of a size, serves that size from its per-thread arenas from
-/// then on and keeps what those free: sixteen writers of 4 MiB objects left 60–100 MiB
+/// then on and keeps what those free: sixteen writers of 4 MiB objects left 60–110 MiB
 /// resident after their store was closed (growing with each store opened and closed), and a
 /// benchmark's later phases counted it in their peak.
 fn alloc_region(layout: Layout) -> Option<NonNull<u8>> {
