@@ -57,8 +57,9 @@ pub struct FileOptions {
     /// on the file, and for a kernel block device also `O_EXCL` (the kernel then refuses a
     /// disk that is mounted or held by another program). A second opener — another node, or
     /// `store-tool` on a running node's device — gets [`Error::InUse`] (once the device is
-    /// still held after 2 s: a holder may be just exiting) instead of both writing one log. Only a tool that deliberately reads or writes a device beside its
-    /// owner (a benchmark's raw loop, a test's corruption) turns this off.
+    /// still held after 2 s: a holder may be just exiting) instead of both writing one log.
+    /// Only a tool that deliberately reads or writes a device beside its owner (a
+    /// benchmark's raw loop, a test's corruption) turns this off.
     pub exclusive: bool,
 }
 
