@@ -358,3 +358,63 @@ fn a_device_in_use_is_refused_by_store_tool_and_mkfs_and_kept() {
     );
     assert_eq!(out, "kept through a refused mkfs");
 }
+
+/// `mkfs --allocate` writes every block of a new device file once (no holes are left, the
+/// file occupies its whole size) and labels it; a store on it works; an NVMe address is
+/// refused with a message saying the option applies to files.
+#[test]
+fn mkfs_allocate_leaves_a_file_without_holes() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev_path = dir.path().join("dev.img");
+    let d = dev_path.to_str().unwrap();
+    let fsid = "6b1c2a9e-0d3f-4e21-9a57-3c8e1f2d4b60";
+    let mkfs = |device: &str| {
+        nvstore(
+            &[
+                "mkfs",
+                "--device",
+                device,
+                "--cluster",
+                fsid,
+                "--node",
+                "2",
+                "--size",
+                "96M",
+                "--allocate",
+            ],
+            None,
+        )
+    };
+    let out = ok(&mkfs(d), "mkfs --allocate");
+    assert!(out.contains("allocated 96 MiB"), "{out}");
+    let meta = std::fs::metadata(&dev_path).unwrap();
+    assert_eq!(meta.len(), 96 << 20);
+    assert!(
+        std::os::unix::fs::MetadataExt::blocks(&meta) * 512 >= 96 << 20,
+        "every block allocated: {} of {} bytes",
+        std::os::unix::fs::MetadataExt::blocks(&meta) * 512,
+        96 << 20
+    );
+    let f = std::fs::File::open(&dev_path).unwrap();
+    // SAFETY: lseek on an open fd; no memory is passed.
+    let hole = unsafe { libc::lseek(std::os::fd::AsRawFd::as_raw_fd(&f), 0, libc::SEEK_HOLE) };
+    assert_eq!(hole, 96 << 20, "the first hole is the end of the file");
+    let src = dir.path().join("o.bin");
+    std::fs::write(&src, b"on an allocated file").unwrap();
+    let src = src.to_str().unwrap();
+    ok(
+        &nvstore(&["store-tool", "--device", d, "put", "1", "o", src], None),
+        "put",
+    );
+    let out = ok(
+        &nvstore(&["store-tool", "--device", d, "get", "1", "o"], None),
+        "get",
+    );
+    assert_eq!(out, "on an allocated file");
+    let o = mkfs("0000:00:04.0");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("--allocate apply to files only"),
+        "{err}"
+    );
+}

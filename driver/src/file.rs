@@ -96,6 +96,15 @@ struct Inner {
     prefill: Option<Prefill>,
 }
 
+impl Inner {
+    fn size_bytes(&self) -> u64 {
+        self.geometry.capacity_blocks * self.geometry.block_size as u64
+    }
+}
+
+/// The largest write [`FileDevice::allocate`] issues.
+const ALLOCATE_WRITE_BYTES: usize = 8 << 20;
+
 /// Regions whose holes [`Prefill`] fills at once.
 const FILL_REGION_BYTES: u64 = 1 << 20;
 
@@ -194,10 +203,8 @@ impl Prefill {
     /// Write zeros into every hole of region `r` (synchronously; the caller holds the lock,
     /// and no write is in flight in the region).
     fn fill(&self, dev: &Inner, st: &mut PrefillState, r: usize) -> std::io::Result<()> {
-        let fd = dev.file.as_raw_fd();
         let lo = r as u64 * FILL_REGION_BYTES;
-        let size = dev.geometry.capacity_blocks * dev.geometry.block_size as u64;
-        let hi = (lo + FILL_REGION_BYTES).min(size);
+        let hi = (lo + FILL_REGION_BYTES).min(dev.size_bytes());
         if st.zeros.is_none() {
             let buf = dev
                 .memory
@@ -205,58 +212,76 @@ impl Prefill {
                 .ok_or_else(|| std::io::Error::other("no memory for a zero buffer"))?;
             st.zeros = Some(buf);
         }
-        let zeros = st.zeros.as_ref().expect("allocated above").as_ptr();
-        let mut at = lo;
-        while at < hi {
-            // SAFETY: lseek on our open fd; no memory is passed.
-            let hole = unsafe { libc::lseek(fd, at as libc::off_t, libc::SEEK_HOLE) };
-            if hole < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            let hole = hole as u64;
-            if hole >= hi {
-                break;
-            }
-            // SAFETY: as above.
-            let data = unsafe { libc::lseek(fd, hole as libc::off_t, libc::SEEK_DATA) };
-            let end = if data < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.raw_os_error() != Some(libc::ENXIO) {
-                    return Err(e);
-                }
-                hi // no data after the hole
-            } else {
-                (data as u64).min(hi)
-            };
-            // Only whole device blocks inside the hole (O_DIRECT's alignment; a hole that
-            // starts or ends mid-block, on a file system with smaller blocks, keeps those
-            // partial blocks as holes rather than risk zeroing a neighbour's data).
-            let bs = dev.geometry.block_size as u64;
-            let (a, b) = (hole.div_ceil(bs) * bs, end / bs * bs);
-            let mut o = a;
-            while o < b {
-                let n = (b - o) as usize;
-                // SAFETY: `zeros` points at FILL_REGION_BYTES ≥ n bytes of our DMA buffer,
-                // which nothing writes (it stays zero); pwrite only reads it.
-                let w =
-                    unsafe { libc::pwrite(fd, zeros as *const libc::c_void, n, o as libc::off_t) };
-                if w < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                if w == 0 {
-                    return Err(std::io::Error::other(
-                        "zero-length write while filling a hole",
-                    ));
-                }
-                o += w as u64;
-            }
-            self.bytes_filled
-                .fetch_add(b.saturating_sub(a), Ordering::Relaxed);
-            at = end.max(hole + 1);
-        }
+        let zeros = st.zeros.as_ref().expect("allocated above");
+        let n = fill_holes(dev, lo, hi, zeros)?;
+        self.bytes_filled.fetch_add(n, Ordering::Relaxed);
         self.regions_filled.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
+}
+
+/// Write zeros into every hole between byte offsets `lo` and `hi` of the file (synchronously,
+/// in writes of up to `zeros.len()` bytes); returns the bytes written. `zeros` must be all
+/// zero and nothing may write it meanwhile. The caller makes sure no request writes into the
+/// range meanwhile: zeros written into a hole must not race real data to the same blocks.
+fn fill_holes(dev: &Inner, lo: u64, hi: u64, zeros: &DmaBuf) -> std::io::Result<u64> {
+    let fd = dev.file.as_raw_fd();
+    let bs = dev.geometry.block_size as u64;
+    let chunk = (zeros.len() as u64 / bs * bs).max(bs);
+    let mut written = 0u64;
+    let mut at = lo;
+    while at < hi {
+        // SAFETY: lseek on our open fd; no memory is passed.
+        let hole = unsafe { libc::lseek(fd, at as libc::off_t, libc::SEEK_HOLE) };
+        if hole < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let hole = hole as u64;
+        if hole >= hi {
+            break;
+        }
+        // SAFETY: as above.
+        let data = unsafe { libc::lseek(fd, hole as libc::off_t, libc::SEEK_DATA) };
+        let end = if data < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::ENXIO) {
+                return Err(e);
+            }
+            hi // no data after the hole
+        } else {
+            (data as u64).min(hi)
+        };
+        // Only whole device blocks inside the hole (O_DIRECT's alignment; a hole that starts
+        // or ends mid-block, on a file system with smaller blocks, keeps those partial blocks
+        // as holes rather than risk zeroing a neighbour's data).
+        let (a, b) = (hole.div_ceil(bs) * bs, end / bs * bs);
+        let mut o = a;
+        while o < b {
+            let n = (b - o).min(chunk) as usize;
+            // SAFETY: `zeros` points at `zeros.len()` ≥ n bytes of a live DMA buffer, which
+            // nothing writes (it stays zero); pwrite only reads it.
+            let w = unsafe {
+                libc::pwrite(
+                    fd,
+                    zeros.as_ptr() as *const libc::c_void,
+                    n,
+                    o as libc::off_t,
+                )
+            };
+            if w < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if w == 0 {
+                return Err(std::io::Error::other(
+                    "zero-length write while filling a hole",
+                ));
+            }
+            o += w as u64;
+        }
+        written += b.saturating_sub(a);
+        at = end.max(hole + 1);
+    }
+    Ok(written)
 }
 
 /// A file or block device. Cheap to share: queues hold an `Arc` of the open file.
@@ -352,6 +377,50 @@ impl FileDevice {
                 prefill: (!meta.file_type().is_block_device()).then(|| Prefill::new(bytes)),
             }),
         })
+    }
+
+    /// Write every block of a regular file once: zeros into each of its holes (and into
+    /// unwritten extents, which the file system reports as holes), then `fdatasync`. Returns
+    /// the bytes written: 0 for a block device or a file already written throughout.
+    ///
+    /// A block device's blocks are all there; a sparse file's are allocated by the file system
+    /// as they are first written, and a durable write or flush then waits for the file
+    /// system's journal to record the allocation. A file written once never pays that again
+    /// (the store writes no holes back: it never deallocates). The content does not change:
+    /// holes read as zeros. Call it before any queue is open (refused otherwise): zeros
+    /// written into a hole must not race a request's data to the same blocks.
+    pub fn allocate(&self) -> Result<u64> {
+        let dev = &self.inner;
+        let Some(p) = &dev.prefill else {
+            return Ok(0);
+        };
+        let open = dev.open_queues.load(Ordering::Acquire);
+        if open != 0 {
+            return Err(Error::Invalid {
+                device: dev.name.clone(),
+                detail: format!("allocate needs every queue closed; {open} open"),
+            });
+        }
+        let io_err = |what, source| Error::Io {
+            device: dev.name.clone(),
+            what,
+            source,
+        };
+        // Holding the fill lock keeps small writes' fills out while this one runs.
+        let mut st = p.st.lock().unwrap();
+        let zeros = dev
+            .memory
+            .alloc(ALLOCATE_WRITE_BYTES)
+            .ok_or_else(|| Error::NoMemory {
+                device: dev.name.clone(),
+                len: ALLOCATE_WRITE_BYTES,
+                detail: "a buffer of zeros to allocate the file with".into(),
+            })?;
+        let n = fill_holes(dev, 0, dev.size_bytes(), &zeros)
+            .map_err(|e| io_err("write zeros into holes", e))?;
+        dev.file.sync_data().map_err(|e| io_err("fdatasync", e))?;
+        st.filled.iter_mut().for_each(|f| *f = true);
+        Ok(n)
     }
 
     /// Regions whose holes were filled ahead of small writes, and the zero bytes written for
@@ -1284,5 +1353,52 @@ mod tests {
         );
         assert_eq!(dev.prefill_stats().0, 3);
         assert!(!holes_in(&dev, 5 * mib, 6 * mib));
+    }
+
+    /// `allocate` writes zeros into every hole of a sparse file (more than one of its
+    /// largest writes) and keeps what was written; a second call writes nothing; with a
+    /// queue open it is refused.
+    #[test]
+    fn allocate_writes_every_hole_and_keeps_the_data() {
+        let dir = tempfile::tempdir().unwrap();
+        let size = 20u64 << 20;
+        let dev =
+            FileDevice::create(&dir.path().join("d.img"), size, FileOptions::default()).unwrap();
+        assert!(
+            size > 2 * ALLOCATE_WRITE_BYTES as u64,
+            "the test wants several writes"
+        );
+        let mut q = dev.open_queue().unwrap();
+        let mut out: [Completion; 1] = Default::default();
+        let at = 9 << 20; // inside the second 8 MiB write
+        q.submit(Request::write(
+            at / 4096,
+            2,
+            fill(&dev, 8192, 0x3c),
+            0,
+            true,
+            1,
+        ))
+        .map_err(|e| e.kind)
+        .unwrap();
+        q.wait(&mut out, 1, Duration::from_secs(5)).unwrap();
+        assert!(out[0].result.is_ok());
+        let refused = dev.allocate().unwrap_err().to_string();
+        assert!(refused.contains("1 open"), "{refused}");
+        drop(q);
+        assert!(holes_in(&dev, 0, size));
+        let written = dev.allocate().unwrap();
+        // Everything but the 8 KiB written and the 1 MiB region its FUA write filled first.
+        assert_eq!(written, size - (1 << 20));
+        assert!(!holes_in(&dev, 0, size));
+        let meta = std::fs::metadata(dir.path().join("d.img")).unwrap();
+        assert!(std::os::unix::fs::MetadataExt::blocks(&meta) * 512 >= size);
+        let f = std::fs::File::open(dir.path().join("d.img")).unwrap();
+        let mut got = vec![0xAAu8; size as usize];
+        std::os::unix::fs::FileExt::read_exact_at(&f, &mut got, 0).unwrap();
+        let (a, b) = (at as usize, at as usize + 8192);
+        assert!(got[..a].iter().all(|&x| x == 0) && got[b..].iter().all(|&x| x == 0));
+        assert!(got[a..b].iter().all(|&x| x == 0x3c));
+        assert_eq!(dev.allocate().unwrap(), 0);
     }
 }
