@@ -19,7 +19,8 @@
 //! `NVSTORE_BENCH_PAIRS` (alternating store/fio pairs for the 4 MiB writes, default 3),
 //! `NVSTORE_READ_ROUNDS` and `NVSTORE_READ_SECS` (the 4 KiB reads' rounds, every phase once
 //! per round, and each phase's window: default 10 rounds of 2 s),
-//! `NVSTORE_BENCH_WRITERS` (the 4 MiB phase's store writer counts = fio queue depths, a comma
+//! `NVSTORE_BENCH_FILE` (`sparse`: the 4 MiB phase gives each side a new sparse file instead
+//! of one file written throughout), `NVSTORE_BENCH_WRITERS` (the 4 MiB phase's store writer counts = fio queue depths, a comma
 //! list, default "4,16"), `NVSTORE_READ_BATCH` (completions the one-thread reader waits for
 //! per poll, default 1).
 //!
@@ -60,6 +61,17 @@ fn beside() -> FileOptions {
 
 fn fresh(path: &Path, size: u64, no_ckpt: bool) -> (Store<FileDevice>, FileDevice) {
     let dev = FileDevice::create(path, size, FileOptions::default()).expect("bench file");
+    labelled(path, dev, no_ckpt)
+}
+
+/// A new store on the bench file as it is (written blocks stay written).
+fn fresh_in_place(path: &Path) -> (Store<FileDevice>, FileDevice) {
+    let dev = FileDevice::open(path, FileOptions::default()).expect("bench file");
+    labelled(path, dev, false)
+}
+
+/// `mkfs` on `dev` (which holds the file's lock), then the store opened beside it.
+fn labelled(path: &Path, dev: FileDevice, no_ckpt: bool) -> (Store<FileDevice>, FileDevice) {
     mkfs(
         &dev,
         &MkfsOptions {
@@ -315,9 +327,27 @@ fn large_writes(path: &Path, size: u64, secs: f64, pairs: usize, levels: &[usize
          writers = fio queue depth in {levels:?}"
     );
     println!(
-        "  {pairs} pairs (the store on a fresh store, fio on a fresh sparse file; store first \
-         in odd pairs, fio first in even ones)"
+        "  {pairs} pairs (the store on a fresh store, fio on the same file; store first in \
+         odd pairs, fio first in even ones)"
     );
+    // Both sides write into a file whose blocks are all written (`mkfs --allocate`), as a
+    // block device's are, unless NVSTORE_BENCH_FILE=sparse: then each side gets a new
+    // sparse file and every write allocates.
+    let allocated = std::env::var("NVSTORE_BENCH_FILE").map_or(true, |v| v != "sparse");
+    if allocated {
+        sparse_again(path, size);
+        let dev = FileDevice::open(path, FileOptions::default()).expect("bench file");
+        let t = Instant::now();
+        let n = dev.allocate().expect("allocate the bench file");
+        println!(
+            "  on an allocated file (FileDevice::allocate wrote {} MiB in {:.1} s); \
+             NVSTORE_BENCH_FILE=sparse for a sparse one",
+            n >> 20,
+            t.elapsed().as_secs_f64()
+        );
+    } else {
+        println!("  on a sparse file, new for each side (NVSTORE_BENCH_FILE=sparse)");
+    }
     let data = vec![0x5au8; 4 << 20];
     let objects = (size / 2) / (4 << 20);
     let mut all: Vec<Level> = levels.iter().map(|_| Level::default()).collect();
@@ -325,7 +355,11 @@ fn large_writes(path: &Path, size: u64, secs: f64, pairs: usize, levels: &[usize
         for (&writers, lv) in levels.iter().zip(all.iter_mut()) {
             let depth = writers as u32;
             let store_side = || {
-                let (s, _dev) = fresh(path, size, false);
+                let (s, _dev) = if allocated {
+                    fresh_in_place(path)
+                } else {
+                    fresh(path, size, false)
+                };
                 let disk = DiskPhase::start(path);
                 let ops = drive(writers, secs, |t, i| {
                     s.write_full(&key((t as u64 * 1_000_000 + i) % objects), &data)
@@ -337,14 +371,18 @@ fn large_writes(path: &Path, size: u64, secs: f64, pairs: usize, levels: &[usize
                 (ops * 4.0 * 1048576.0 / 1e6, st, disk_ours)
             };
             let fio_side = || {
-                sparse_again(path, size);
+                if !allocated {
+                    sparse_again(path, size);
+                }
                 let disk = DiskPhase::start(path);
                 let f = fio(path, Pattern::SeqWrite, 4 << 20, depth, size / 2, secs, &[]);
                 let disk_fio = disk.and_then(|d| d.finish());
                 // Context, not the goal's baseline: fio made about as durable as the store, a
                 // flush after every two writes. On a virtual disk with a write-back cache the
                 // flush is where the host writes the data out.
-                sparse_again(path, size);
+                if !allocated {
+                    sparse_again(path, size);
+                }
                 let fs = fio(
                     path,
                     Pattern::SeqWrite,
