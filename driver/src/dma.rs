@@ -245,6 +245,40 @@ impl DmaBuf {
         }
     }
 
+    /// Split the buffer at `at`: `self` keeps bytes `0..at`, the returned buffer owns
+    /// `at..len`. Each half can go out with a request of its own; the region goes back to its
+    /// owner once both are dropped. Panics unless `0 < at < len` and `at` is a multiple of
+    /// 4096: the tail then starts on a page, where any device can address a buffer.
+    pub fn split_off(&mut self, at: usize) -> DmaBuf {
+        assert!(
+            at > 0 && at < self.len && at % 4096 == 0,
+            "split of a {}-byte DMA buffer at {at}",
+            self.len
+        );
+        let whole = Arc::new(Halves {
+            owner: self.owner.clone(),
+            ptr: self.ptr,
+            iova: self.iova,
+            len: self.len,
+            left: AtomicUsize::new(2),
+        });
+        let tail_len = self.len - at;
+        self.owner = whole.clone();
+        self.len = at;
+        // SAFETY: `at < len`, so the tail lies inside the region; from here `self` covers only
+        // `0..at` and the tail `at..len`: disjoint, each owned by one buffer. `Halves` hands
+        // the whole region back to its owner with the original values once both are released,
+        // and the device sees the tail at `iova + at`.
+        unsafe {
+            DmaBuf::from_raw_parts(
+                NonNull::new_unchecked(self.ptr.as_ptr().add(at)),
+                self.iova + at as u64,
+                tail_len,
+                whole,
+            )
+        }
+    }
+
     /// Read a little-endian u32 at `offset` (volatile: the value is read exactly once).
     pub fn read_u32_le(&self, offset: usize) -> u32 {
         let mut b = [0u8; 4];
@@ -309,6 +343,36 @@ impl DmaBuf {
 impl Drop for DmaBuf {
     fn drop(&mut self) {
         self.owner.release(self.ptr, self.iova, self.len);
+    }
+}
+
+/// The owner of the halves [`DmaBuf::split_off`] makes: gives the whole region back to its
+/// owner when the second half is released.
+struct Halves {
+    owner: Arc<dyn DmaOwner>,
+    ptr: NonNull<u8>,
+    iova: u64,
+    len: usize,
+    left: AtomicUsize,
+}
+
+// SAFETY: the pointer is only handed back to `owner` (itself Send + Sync) once; nothing reads
+// or writes through it here.
+unsafe impl Send for Halves {}
+// SAFETY: as above; `left` is atomic.
+unsafe impl Sync for Halves {}
+
+// SAFETY: each half is released once (by its DmaBuf's drop); the region goes back to the
+// original owner, with the values it was handed out with, after both have been.
+unsafe impl DmaOwner for Halves {
+    fn release(&self, _ptr: NonNull<u8>, _iova: u64, _len: usize) {
+        if self.left.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+            self.owner.release(self.ptr, self.iova, self.len);
+        }
+    }
+
+    fn reached_only_in_flight(&self) -> bool {
+        self.owner.reached_only_in_flight()
     }
 }
 
@@ -588,6 +652,30 @@ mod tests {
         let b = mem.alloc_for_read(4096).unwrap();
         assert_eq!(b.iova(), at, "the pooled region");
         assert!(b.eq_at(0, &pattern));
+    }
+
+    /// A split buffer's halves cover the region without overlap, keep its bytes, and the
+    /// region goes back to the pool only once both halves are dropped.
+    #[test]
+    fn a_split_region_goes_back_when_both_halves_have() {
+        let mem = HostMemory::new(4096);
+        let len = 64 << 10;
+        let mut head = mem.alloc(len).unwrap();
+        let pattern: Vec<u8> = (0..len as u32).map(|i| (i * 13 + i / 4099) as u8).collect();
+        head.write_at(0, &pattern);
+        let at = head.iova();
+        let tail = head.split_off(16 << 10);
+        assert_eq!((head.len(), tail.len()), (16 << 10, 48 << 10));
+        assert_eq!(tail.iova(), at + (16 << 10));
+        assert!(head.eq_at(0, &pattern[..16 << 10]) && tail.eq_at(0, &pattern[16 << 10..]));
+        drop(head);
+        let other = mem.alloc_for_read(len).unwrap();
+        assert_ne!(other.iova(), at, "the tail still holds the region");
+        drop(tail);
+        let again = mem.alloc_for_read(len).unwrap();
+        assert_eq!(again.iova(), at, "the region back in the pool");
+        assert!(again.eq_at(0, &pattern));
+        drop(other);
     }
 
     #[test]

@@ -1093,8 +1093,9 @@ impl<D: BlockDevice> Committer<D> {
                     .take_while(|&(j, &it)| it == (t, m, i + 1 + j))
                     .count();
                 let cb = len as usize;
+                let mut buf = buf;
                 if here < run {
-                    self.split_run(&mut acc[t], m, i, &buf, here, run, cb);
+                    self.split_run(&mut acc[t], m, i, &mut buf, here, run, cb);
                 }
                 self.em
                     .write_dma(at, buf, round_up((here * cb) as u64, layout.block) as usize)?;
@@ -1118,15 +1119,18 @@ impl<D: BlockDevice> Committer<D> {
 
     /// A batch ends inside the DMA run that starts at chunk `i` (`run` whole chunks of `cb`
     /// bytes in `buf`, of which the first `here` are written now): the rest become a run of
-    /// their own for the next batch, copied once into a pooled DMA buffer (`buf` goes out with
-    /// this batch's write). Without DMA memory to spare they become owned copies instead.
+    /// their own for the next batch. Split off `buf` where the cut falls on a page (always,
+    /// for chunks of 4 KiB or more: no copy on the commit thread, which would hold up this
+    /// batch's write); else copied once into a pooled DMA buffer, or without DMA memory to
+    /// spare into owned copies. `buf` then keeps the first `here` chunks and goes out with
+    /// this batch's write.
     #[allow(clippy::too_many_arguments)]
     fn split_run(
         &self,
         a: &mut Accepted,
         m: usize,
         i: usize,
-        buf: &DmaBuf,
+        buf: &mut DmaBuf,
         here: usize,
         run: usize,
         cb: usize,
@@ -1135,8 +1139,16 @@ impl<D: BlockDevice> Committer<D> {
             unreachable!("a run belongs to a put")
         };
         let rest = run - here;
-        if let Ok(mut tail) = self.sh.dev.alloc_read_buf(rest * cb) {
-            tail.copy_from(0, buf, here * cb, rest * cb);
+        let at = here * cb;
+        let tail = if at % 4096 == 0 && at < buf.len() {
+            Ok(buf.split_off(at))
+        } else {
+            self.sh.dev.alloc_read_buf(rest * cb).map(|mut tail| {
+                tail.copy_from(0, buf, at, rest * cb);
+                tail
+            })
+        };
+        if let Ok(tail) = tail {
             if let Some(ChunkSrc::New(d @ DataRef::DmaPart(_), _)) = p.chunks.get_mut(i + here) {
                 *d = DataRef::Dma {
                     buf: Some(tail),
