@@ -19,7 +19,7 @@
 //! `NVSTORE_BENCH_PAIRS` (alternating store/fio pairs for the 4 MiB writes, default 3),
 //! `NVSTORE_READ_ROUNDS` and `NVSTORE_READ_SECS` (the 4 KiB reads' rounds, every phase once
 //! per round, and each phase's window: default 10 rounds of 2 s),
-//! `NVSTORE_BENCH_FILE` (`sparse`: the 4 MiB phase gives each side a new sparse file instead
+//! `NVSTORE_BENCH_SPARSE` (set: the 4 MiB phase gives each side a new sparse file instead
 //! of one file written throughout), `NVSTORE_BENCH_WRITERS` (the 4 MiB phase's store writer counts = fio queue depths, a comma
 //! list, default "4,16"), `NVSTORE_READ_BATCH` (completions the one-thread reader waits for
 //! per poll, default 1).
@@ -331,9 +331,9 @@ fn large_writes(path: &Path, size: u64, secs: f64, pairs: usize, levels: &[usize
          odd pairs, fio first in even ones)"
     );
     // Both sides write into a file whose blocks are all written (`mkfs --allocate`), as a
-    // block device's are, unless NVSTORE_BENCH_FILE=sparse: then each side gets a new
+    // block device's are, unless NVSTORE_BENCH_SPARSE=1: then each side gets a new
     // sparse file and every write allocates.
-    let allocated = std::env::var("NVSTORE_BENCH_FILE").map_or(true, |v| v != "sparse");
+    let allocated = std::env::var_os("NVSTORE_BENCH_SPARSE").is_none();
     if allocated {
         sparse_again(path, size);
         let dev = FileDevice::open(path, FileOptions::default()).expect("bench file");
@@ -341,12 +341,12 @@ fn large_writes(path: &Path, size: u64, secs: f64, pairs: usize, levels: &[usize
         let n = dev.allocate().expect("allocate the bench file");
         println!(
             "  on an allocated file (FileDevice::allocate wrote {} MiB in {:.1} s); \
-             NVSTORE_BENCH_FILE=sparse for a sparse one",
+             NVSTORE_BENCH_SPARSE=1 for a sparse one",
             n >> 20,
             t.elapsed().as_secs_f64()
         );
     } else {
-        println!("  on a sparse file, new for each side (NVSTORE_BENCH_FILE=sparse)");
+        println!("  on a sparse file, new for each side (NVSTORE_BENCH_SPARSE=1)");
     }
     let data = vec![0x5au8; 4 << 20];
     let objects = (size / 2) / (4 << 20);
