@@ -19,8 +19,8 @@
 //! `NVSTORE_BENCH_PAIRS` (alternating store/fio pairs for the 4 MiB writes, default 3),
 //! `NVSTORE_READ_ROUNDS` and `NVSTORE_READ_SECS` (the 4 KiB reads' rounds, every phase once
 //! per round, and each phase's window: default 10 rounds of 2 s),
-//! `NVSTORE_BENCH_SPARSE` (set: the 4 MiB phase gives each side a new sparse file instead
-//! of one file written throughout), `NVSTORE_BENCH_WRITERS` (the 4 MiB phase's store writer counts = fio queue depths, a comma
+//! `NVSTORE_BENCH_SPARSE` (set: the 4 MiB writes and the 4 KiB puts give each side a new
+//! sparse file instead of one file written throughout), `NVSTORE_BENCH_WRITERS` (the 4 MiB phase's store writer counts = fio queue depths, a comma
 //! list, default "4,16"), `NVSTORE_READ_BATCH` (completions the one-thread reader waits for
 //! per poll, default 1).
 //!
@@ -321,6 +321,28 @@ struct Level {
 /// the writer's copy into DMA memory, while fio's writes only cost the write: with few writers
 /// the flush is a visible share of every object's time, so the store is compared both at each
 /// depth and at its best against fio's best (the device's sequential write bandwidth).
+/// Whether the write phases run on a file written throughout (the default, as `mkfs
+/// --allocate` leaves a device file and as a block device's blocks are): then the bench file
+/// is made so now, and both sides write into it in place. With NVSTORE_BENCH_SPARSE set, each
+/// side gets a new sparse file instead and every first write allocates.
+fn allocated_file(path: &Path, size: u64) -> bool {
+    if std::env::var_os("NVSTORE_BENCH_SPARSE").is_some() {
+        println!("  on a sparse file, new for each side (NVSTORE_BENCH_SPARSE is set)");
+        return false;
+    }
+    sparse_again(path, size);
+    let dev = FileDevice::open(path, FileOptions::default()).expect("bench file");
+    let t = Instant::now();
+    let n = dev.allocate().expect("allocate the bench file");
+    println!(
+        "  on an allocated file (FileDevice::allocate wrote {} MiB in {:.1} s), both sides in \
+         place; NVSTORE_BENCH_SPARSE=1 for sparse ones",
+        n >> 20,
+        t.elapsed().as_secs_f64()
+    );
+    true
+}
+
 fn large_writes(path: &Path, size: u64, secs: f64, pairs: usize, levels: &[usize]) {
     println!(
         "\n## 4 MiB write_full (durable) vs fio sequential write bs=4M (O_DIRECT), store \
@@ -330,24 +352,7 @@ fn large_writes(path: &Path, size: u64, secs: f64, pairs: usize, levels: &[usize
         "  {pairs} pairs (the store on a fresh store, fio on the same file; store first in \
          odd pairs, fio first in even ones)"
     );
-    // Both sides write into a file whose blocks are all written (`mkfs --allocate`), as a
-    // block device's are, unless NVSTORE_BENCH_SPARSE=1: then each side gets a new
-    // sparse file and every write allocates.
-    let allocated = std::env::var_os("NVSTORE_BENCH_SPARSE").is_none();
-    if allocated {
-        sparse_again(path, size);
-        let dev = FileDevice::open(path, FileOptions::default()).expect("bench file");
-        let t = Instant::now();
-        let n = dev.allocate().expect("allocate the bench file");
-        println!(
-            "  on an allocated file (FileDevice::allocate wrote {} MiB in {:.1} s); \
-             NVSTORE_BENCH_SPARSE=1 for a sparse one",
-            n >> 20,
-            t.elapsed().as_secs_f64()
-        );
-    } else {
-        println!("  on a sparse file, new for each side (NVSTORE_BENCH_SPARSE=1)");
-    }
+    let allocated = allocated_file(path, size);
     let data = vec![0x5au8; 4 << 20];
     let objects = (size / 2) / (4 << 20);
     let mut all: Vec<Level> = levels.iter().map(|_| Level::default()).collect();
@@ -485,7 +490,15 @@ fn median(v: &[f64]) -> f64 {
 }
 
 fn small_puts(path: &Path, size: u64, secs: f64) {
-    let (s, _dev) = fresh(path, size, false);
+    println!(
+        "\n## 4 KiB durable puts, 32 writers vs fio randwrite 4K QD32 with fdatasync every 32"
+    );
+    let allocated = allocated_file(path, size);
+    let (s, _dev) = if allocated {
+        fresh_in_place(path)
+    } else {
+        fresh(path, size, false)
+    };
     let data = vec![0x11u8; 4096];
     let ops = drive(32, secs, |t, i| {
         s.write_full(&key(t as u64 * 1_000_000 + i % 20_000), &data)
@@ -493,7 +506,9 @@ fn small_puts(path: &Path, size: u64, secs: f64) {
     });
     let st = s.stats();
     drop(s);
-    sparse_again(path, size);
+    if !allocated {
+        sparse_again(path, size);
+    }
     let f = fio(
         path,
         Pattern::RandWrite,
@@ -502,9 +517,6 @@ fn small_puts(path: &Path, size: u64, secs: f64) {
         size / 2,
         secs,
         &["--fdatasync=32"],
-    );
-    println!(
-        "\n## 4 KiB durable puts, 32 writers vs fio randwrite 4K QD32 with fdatasync every 32"
     );
     println!(
         "  store {:>9.0} puts/s ({:.1} puts per flush, WA {:.2})   fio {:>9.0} IOPS   ratio {} (goal ≥ 1.0x)",
