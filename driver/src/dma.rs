@@ -251,7 +251,7 @@ impl DmaBuf {
     /// 4096: the tail then starts on a page, where any device can address a buffer.
     pub fn split_off(&mut self, at: usize) -> DmaBuf {
         assert!(
-            at > 0 && at < self.len && at % 4096 == 0,
+            at > 0 && at < self.len && at.is_multiple_of(4096),
             "split of a {}-byte DMA buffer at {at}",
             self.len
         );

@@ -1140,7 +1140,7 @@ impl<D: BlockDevice> Committer<D> {
         };
         let rest = run - here;
         let at = here * cb;
-        let tail = if at % 4096 == 0 && at < buf.len() {
+        let tail = if at.is_multiple_of(4096) && at < buf.len() {
             Ok(buf.split_off(at))
         } else {
             self.sh.dev.alloc_read_buf(rest * cb).map(|mut tail| {
