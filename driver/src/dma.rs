@@ -73,6 +73,12 @@ pub unsafe trait DmaOwner: Send + Sync {
     fn reached_only_in_flight(&self) -> bool {
         false
     }
+
+    /// Whether buffers of this owner are parts of a larger region ([`DmaBuf::split_off`]):
+    /// keeping one keeps the whole region.
+    fn is_part(&self) -> bool {
+        false
+    }
 }
 
 /// A region of DMA-able memory. Not `Clone`; moves into a queue with a request and back out
@@ -279,6 +285,12 @@ impl DmaBuf {
         }
     }
 
+    /// Whether this buffer is part of a larger region ([`DmaBuf::split_off`]): a pool that
+    /// kept it would keep the whole region.
+    pub fn is_part(&self) -> bool {
+        self.owner.is_part()
+    }
+
     /// Read a little-endian u32 at `offset` (volatile: the value is read exactly once).
     pub fn read_u32_le(&self, offset: usize) -> u32 {
         let mut b = [0u8; 4];
@@ -373,6 +385,10 @@ unsafe impl DmaOwner for Halves {
 
     fn reached_only_in_flight(&self) -> bool {
         self.owner.reached_only_in_flight()
+    }
+
+    fn is_part(&self) -> bool {
+        true
     }
 }
 
@@ -664,7 +680,9 @@ mod tests {
         let pattern: Vec<u8> = (0..len as u32).map(|i| (i * 13 + i / 4099) as u8).collect();
         head.write_at(0, &pattern);
         let at = head.iova();
+        assert!(!head.is_part());
         let tail = head.split_off(16 << 10);
+        assert!(head.is_part() && tail.is_part());
         assert_eq!((head.len(), tail.len()), (16 << 10, 48 << 10));
         assert_eq!(tail.iova(), at + (16 << 10));
         assert!(head.eq_at(0, &pattern[..16 << 10]) && tail.eq_at(0, &pattern[16 << 10..]));

@@ -104,11 +104,11 @@ impl<D: BlockDevice> Emitter<D> {
             }
             // Staging buffers go back to the pool; callers' DMA buffers are freed. (A caller's
             // buffer can be as big as a piece: the pool keeps at most its own count, so such a
-            // buffer may stand in for a staging one but the pool never grows.)
-            if let Some(b) = c
-                .buf
-                .filter(|b| b.len() == self.piece_bytes && self.free.len() < self.staging)
-            {
+            // buffer may stand in for a staging one but the pool never grows. Not a part of a
+            // split buffer, though: keeping that would keep its whole region.)
+            if let Some(b) = c.buf.filter(|b| {
+                b.len() == self.piece_bytes && !b.is_part() && self.free.len() < self.staging
+            }) {
                 self.free.push(b);
             }
         }
