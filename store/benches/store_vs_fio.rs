@@ -20,9 +20,13 @@
 //! `NVSTORE_READ_ROUNDS` and `NVSTORE_READ_SECS` (the 4 KiB reads' rounds, every phase once
 //! per round, and each phase's window: default 10 rounds of 2 s),
 //! `NVSTORE_BENCH_SPARSE` (set: the 4 MiB writes and the 4 KiB puts give each side a new
-//! sparse file instead of one file written throughout), `NVSTORE_BENCH_WRITERS` (the 4 MiB phase's store writer counts = fio queue depths, a comma
-//! list, default "4,16"), `NVSTORE_READ_BATCH` (completions the one-thread reader waits for
-//! per poll, default 1).
+//! sparse file instead of one file written throughout), `NVSTORE_BENCH_WRITERS` (the 4 MiB
+//! phase's store writer counts = fio queue depths, a comma list, default "4,16"),
+//! `NVSTORE_READ_BATCH` (completions the one-thread reader waits for per poll, default 1).
+//!
+//! The write phases run on a file written throughout first (`FileDevice::allocate`, what
+//! `nvstore mkfs --allocate` does to a device file; a block device's blocks are all there):
+//! the store's `mkfs` and fio both write into it in place.
 //!
 //! `NVSTORE_BENCH_ONLY=read-knobs` (never part of a default run) compares the async reader's
 //! poll settings in one process: one fill, then `NVSTORE_BENCH_ROUNDS` (default 10) rounds of
