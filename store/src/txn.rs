@@ -787,10 +787,14 @@ impl<D: BlockDevice + 'static> Store<D> {
                 return Ok(self.sh.stats.next_op_seq.get().saturating_sub(1));
             }
             let (rtx, rrx) = crate::commit::reply_pair();
+            let yield_for = crate::commit::wait_yield(&prepared);
             tx.send(Msg::Txn(Box::new(prepared), rtx))
                 .map_err(|_| StoreError::Closed)?;
             // The commit thread reads `txn`'s data until it replies: this wait is unconditional.
-            match rrx.recv().map_err(|_| StoreError::Closed)? {
+            match rrx
+                .recv_yielding(yield_for)
+                .map_err(|_| StoreError::Closed)?
+            {
                 TxnResult::Committed { version } => return Ok(version),
                 TxnResult::Conflict => self.sh.stats.txn_conflicts.inc(),
                 TxnResult::Failed(e) => return Err(e),
