@@ -320,11 +320,6 @@ struct Level {
     ratios: Vec<f64>,
 }
 
-/// 4 MiB write_full at each concurrency in `levels` (store writers = fio queue depth),
-/// alternating store and fio runs `pairs` times. A durable write costs its write, a flush and
-/// the writer's copy into DMA memory, while fio's writes only cost the write: with few writers
-/// the flush is a visible share of every object's time, so the store is compared both at each
-/// depth and at its best against fio's best (the device's sequential write bandwidth).
 /// Whether the write phases run on a file written throughout (the default, as `mkfs
 /// --allocate` leaves a device file and as a block device's blocks are): then the bench file
 /// is made so now, and both sides write into it in place. With NVSTORE_BENCH_SPARSE set, each
@@ -347,6 +342,11 @@ fn allocated_file(path: &Path, size: u64) -> bool {
     true
 }
 
+/// 4 MiB write_full at each concurrency in `levels` (store writers = fio queue depth),
+/// alternating store and fio runs `pairs` times. A durable write costs its write, a flush and
+/// the writer's copy into DMA memory, while fio's writes only cost the write: with few writers
+/// the flush is a visible share of every object's time, so the store is compared both at each
+/// depth and at its best against fio's best (the device's sequential write bandwidth).
 fn large_writes(path: &Path, size: u64, secs: f64, pairs: usize, levels: &[usize]) {
     println!(
         "\n## 4 MiB write_full (durable) vs fio sequential write bs=4M (O_DIRECT), store \
