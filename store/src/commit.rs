@@ -23,7 +23,6 @@
 //! previous rounds left it.
 
 use std::collections::{HashSet, VecDeque};
-use std::ops::Bound;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -32,6 +31,7 @@ use driver::{BlockDevice, DmaBuf};
 use smallvec::SmallVec;
 use zerocopy::IntoBytes;
 
+use crate::checkpoint::{Encoded, Encoder};
 use crate::emit::Emitter;
 use crate::error::{Result, StoreError};
 use crate::format::{
@@ -382,7 +382,9 @@ struct Checkpointing {
     start: Pos,
     next_op_seq: u64,
     first_seg: u32,
-    cursor: Option<ObjectKey>,
+    /// Every object is encoded and the last batch is written: the checkpoint completes once
+    /// nothing is in flight (its flush, then the superblocks).
+    walked: bool,
     batches: u32,
     objects: u64,
     /// Bytes written so far (batches, headers and padding).
@@ -398,6 +400,8 @@ pub(crate) struct Committer<D: BlockDevice> {
     next_op_seq: u64,
     deferred: VecDeque<(Box<Prepared>, Reply)>,
     ckpt: Option<Checkpointing>,
+    /// The checkpoint encoder's thread, started with the first checkpoint.
+    encoder: Option<Encoder>,
     ckpt_requests: Vec<Sender<Result<()>>>,
     log_bytes_since_ckpt: u64,
     /// Size of the newest checkpoint: the next one is due only after at least this much log
@@ -451,7 +455,7 @@ pub(crate) fn zeros_crc(mut n: u64) -> u32 {
     crc
 }
 
-impl<D: BlockDevice> Committer<D> {
+impl<D: BlockDevice + 'static> Committer<D> {
     pub(crate) fn new(
         sh: Arc<Shared<D>>,
         log: StreamHead,
@@ -471,6 +475,7 @@ impl<D: BlockDevice> Committer<D> {
             next_op_seq,
             deferred: VecDeque::new(),
             ckpt: None,
+            encoder: None,
             ckpt_requests: Vec::new(),
             log_bytes_since_ckpt: 0,
             last_ckpt_bytes,
@@ -493,14 +498,35 @@ impl<D: BlockDevice> Committer<D> {
     pub(crate) fn run(mut self, user: Receiver<Msg>, bg: Receiver<Msg>) {
         loop {
             self.retry_space_waiters();
-            // A checkpoint slice runs between rounds, with nothing in flight.
-            let want_slice = self.ckpt.is_some();
-            let can_start = self.inflight.len() < PIPELINE_ROUNDS_MAX && !want_slice;
-            let idle = self.inflight.is_empty() && !want_slice && self.deferred.is_empty();
+            // A checkpoint is encoded on its own thread and written alongside the rounds (see
+            // `checkpoint_step`); only its completion waits for the device to have nothing of
+            // the store's.
+            let finishing = self.ckpt.as_ref().is_some_and(|c| c.walked);
+            let can_start = self.inflight.len() < PIPELINE_ROUNDS_MAX && !finishing;
+            let idle = self.inflight.is_empty() && self.deferred.is_empty();
+            let mut got = None;
             let first = if !can_start {
                 None
             } else if !idle {
                 user.try_recv().or_else(|_| bg.try_recv()).ok()
+            } else if let Some(enc) = self.encoder.as_ref().filter(|_| self.ckpt.is_some()) {
+                // Also wake for the encoder's next batch (and now and then for the cleaner's
+                // space, as below).
+                let out = enc.out().clone();
+                let wait = if self.space_waiters.is_empty() {
+                    Duration::from_secs(1)
+                } else {
+                    Duration::from_millis(20)
+                };
+                crossbeam::select! {
+                    recv(user) -> m => match m { Ok(m) => Some(m), Err(_) => return self.shutdown() },
+                    recv(bg) -> m => m.ok(),
+                    recv(out) -> b => {
+                        got = b.ok();
+                        None
+                    }
+                    default(wait) => None,
+                }
             } else if !self.space_waiters.is_empty() {
                 // Waiting for the cleaner: wake now and then to retry or time out.
                 crossbeam::select! {
@@ -537,7 +563,7 @@ impl<D: BlockDevice> Committer<D> {
                 }
                 can_start = false;
             }
-            if can_start && small_lead && self.inflight.is_empty() && !want_slice {
+            if can_start && small_lead && self.inflight.is_empty() {
                 yield_while_arriving(&user);
             }
             if can_start {
@@ -550,16 +576,17 @@ impl<D: BlockDevice> Committer<D> {
                     started = self.start_round(round);
                 }
             }
+            if self.ckpt.is_some() {
+                // Checkpoint batches, while the round just started (if any) is on the device.
+                let busy = !self.inflight.is_empty();
+                self.checkpoint_step(busy, got, false);
+            }
             if !self.inflight.is_empty() {
                 // Wait for the device unless a new round was just started (then only reap).
                 self.progress(!started);
             }
-            if self.inflight.is_empty() {
-                if self.ckpt.is_some() {
-                    self.checkpoint_step();
-                } else if self.checkpoint_due() {
-                    self.checkpoint_begin();
-                }
+            if self.inflight.is_empty() && self.ckpt.is_none() && self.checkpoint_due() {
+                self.checkpoint_begin();
             }
             if user.is_empty() && self.deferred.is_empty() && self.ckpt.is_none() && bg.is_empty() {
                 // Idle: publish counters; nothing else to do until a message arrives.
@@ -673,7 +700,7 @@ impl<D: BlockDevice> Committer<D> {
         }
         // Finish an in-progress checkpoint so the next open replays little.
         while self.ckpt.is_some() && self.failed.is_none() {
-            self.checkpoint_step();
+            self.checkpoint_step(false, None, true);
         }
         if self.failed.is_none() {
             if let Err(e) = self.seal_log() {
@@ -820,7 +847,7 @@ impl<D: BlockDevice> Committer<D> {
         self.em.begin_round(id);
         let written = self
             .write_round(&mut accepted)
-            .and_then(|()| self.em.end_round());
+            .and_then(|()| self.em.end_round(true));
         for a in &accepted {
             for m in &a.txn.muts {
                 self.keys_in_flight.insert(m.key.clone());
@@ -889,7 +916,13 @@ impl<D: BlockDevice> Committer<D> {
         // Each segment the round moves into allocates its own successor.
         let segments = bytes.saturating_sub(here).div_ceil(usable);
         // Keep room for a checkpoint: without one, segments the cleaner emptied stay pinned.
-        let ckpt = (self.sh.index.len() as u64 * 160).div_ceil(usable) + 1;
+        // One in progress (written beside the rounds) already holds some of it.
+        let ckpt_taken = self.ckpt.as_ref().map_or(0, |c| {
+            c.head.pos.seg_seq + u64::from(c.head.pos.next_seg != NO_SEGMENT)
+        });
+        let ckpt = ((self.sh.index.len() as u64 * 160).div_ceil(usable) + 1)
+            .saturating_sub(ckpt_taken)
+            .max(1);
         // Removes only free space (each costs a small tombstone record): they may use the
         // reserve down to one segment above the cleaner's floor, so a full store can still be
         // emptied (a deleted pool's keys, strays) instead of refusing the very transactions
@@ -1388,6 +1421,21 @@ impl<D: BlockDevice> Committer<D> {
         if self.failed.is_some() {
             return;
         }
+        if self.encoder.is_none() {
+            let meta_max = ckpt_batch_max(&self.log.layout) as usize - (68 << 10);
+            match Encoder::start(self.sh.clone(), meta_max) {
+                Ok(e) => self.encoder = Some(e),
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot start the checkpoint encoder");
+                    for r in self.ckpt_requests.drain(..) {
+                        let _ = r.send(Err(StoreError::Invalid(format!(
+                            "cannot start the checkpoint encoder: {e}"
+                        ))));
+                    }
+                    return;
+                }
+            }
+        }
         let first = {
             let mut segs = self.sh.segs.lock().unwrap();
             segs.alloc(true)
@@ -1423,18 +1471,33 @@ impl<D: BlockDevice> Committer<D> {
             start: self.log.pos,
             next_op_seq: self.next_op_seq,
             first_seg: first,
-            cursor: None,
+            walked: false,
             batches: 0,
             objects: 0,
             bytes: 0,
             waiters: std::mem::take(&mut self.ckpt_requests),
         });
+        self.encoder.as_ref().unwrap().begin(id);
         self.log_bytes_since_ckpt = 0;
     }
 
-    /// Write the next slice of the checkpoint (a few MiB), between rounds of foreground work.
-    fn checkpoint_step(&mut self) {
-        let res = self.checkpoint_slice();
+    /// Advance the checkpoint: write the batches the encoder has ready (one when rounds are on
+    /// the device, `busy`, so a round never waits behind several; all of them otherwise), or
+    /// `got`, one the loop already received; with `block`, wait for the next one (shutdown).
+    /// Once the last batch is written and nothing is in flight, complete it.
+    fn checkpoint_step(&mut self, busy: bool, got: Option<Encoded>, block: bool) {
+        let res = match &self.failed {
+            // A failed log write may have taken a checkpoint batch with it.
+            Some(why) => Err(StoreError::Invalid(format!("the store failed: {why}"))),
+            None if self.ckpt.as_ref().unwrap().walked => {
+                if self.inflight.is_empty() {
+                    self.checkpoint_complete()
+                } else {
+                    Ok(false)
+                }
+            }
+            None => self.checkpoint_take(busy, got, block).map(|()| false),
+        };
         match res {
             Ok(false) => {}
             Ok(true) => {
@@ -1449,6 +1512,9 @@ impl<D: BlockDevice> Committer<D> {
                 let why = e.to_string();
                 tracing::error!(error = %why, "checkpoint failed");
                 let c = self.ckpt.take().unwrap();
+                if let Some(enc) = &self.encoder {
+                    enc.cancel();
+                }
                 {
                     let mut segs = self.sh.segs.lock().unwrap();
                     segs.free_checkpoint(c.id);
@@ -1466,7 +1532,9 @@ impl<D: BlockDevice> Committer<D> {
                 // checkpoint was to free get that error now, not `OutOfSpace` in 30 s.
                 // (Requeued, the next round refuses them as it refuses every transaction of a
                 // failed store.)
+                // Rounds on the device beside it fail with it.
                 if matches!(e, StoreError::Device(_)) {
+                    self.fail_inflight(e);
                     self.failed = Some(format!("checkpoint write failed: {why}"));
                     self.deferred
                         .extend(std::mem::take(&mut self.space_waiters));
@@ -1475,62 +1543,84 @@ impl<D: BlockDevice> Committer<D> {
         }
     }
 
-    /// Returns Ok(true) when the checkpoint is complete and durable.
-    fn checkpoint_slice(&mut self) -> Result<bool> {
-        const SLICE_BYTES: u64 = 4 << 20;
-        let c = self.ckpt.as_mut().unwrap();
-        let layout = c.head.layout;
-        let batch_max = ckpt_batch_max(&layout);
-        let mut written = 0u64;
-        let mut finished = false;
-        let mut meta = Vec::with_capacity(batch_max as usize);
-        while written < SLICE_BYTES {
-            meta.clear();
-            let mut count = 0u32;
-            let lower = match &c.cursor {
-                Some(k) => Bound::Excluded(k.clone()),
-                None => Bound::Unbounded,
-            };
-            let mut last = None;
-            for e in self.sh.index.range((lower, Bound::Unbounded)) {
-                let m = e.value().load();
-                encode_state(e.key(), &m, &mut meta);
-                count += 1;
-                last = Some(e.key().clone());
-                if layout.batch_bytes(meta.len() as u64, 0) >= batch_max - 64 * 1024 {
-                    break;
+    /// Write the encoder's batches as [`Committer::checkpoint_step`] says.
+    fn checkpoint_take(&mut self, busy: bool, mut got: Option<Encoded>, block: bool) -> Result<()> {
+        use crossbeam::channel::TryRecvError;
+        let stopped = || StoreError::Invalid("the checkpoint encoder stopped".into());
+        loop {
+            let batch = match got.take() {
+                Some(b) => b,
+                None => {
+                    let out = self.encoder.as_ref().unwrap().out();
+                    if block {
+                        out.recv().map_err(|_| stopped())?
+                    } else {
+                        match out.try_recv() {
+                            Ok(b) => b,
+                            Err(TryRecvError::Empty) => return Ok(()),
+                            Err(TryRecvError::Disconnected) => return Err(stopped()),
+                        }
+                    }
                 }
+            };
+            let c = self.ckpt.as_ref().unwrap();
+            if batch.id != c.id {
+                // A cancelled checkpoint's.
+                self.encoder.as_ref().unwrap().recycle(batch.meta);
+                continue;
             }
-            if count == 0 {
-                finished = true;
-                break;
+            let last = batch.last;
+            self.checkpoint_write(batch)?;
+            if last || busy || block {
+                return Ok(());
             }
-            c.cursor = last;
-            let bytes = layout.batch_bytes(meta.len() as u64, 0);
-            let placement = place_batch(&self.sh, &mut c.head, &mut self.em, bytes)?;
-            let h = batch_header(
-                c.id,
-                c.head.pos.batch_seq - 1,
-                c.head.gen,
-                count,
-                &meta,
-                0,
-                0,
-                0,
-            );
-            self.em.begin(placement.offset)?;
-            self.em.put(h.as_bytes())?;
-            self.em.put(&meta)?;
-            self.em.pad_to_block()?;
+        }
+    }
+
+    /// Write one encoded batch as its own round of the emitter. Nothing waits on that round:
+    /// the checkpoint's completion flushes it.
+    fn checkpoint_write(&mut self, batch: Encoded) -> Result<()> {
+        let Encoded {
+            meta, count, last, ..
+        } = batch;
+        let c = self.ckpt.as_mut().unwrap();
+        c.walked = last;
+        if count > 0 {
+            let bytes = c.head.layout.batch_bytes(meta.len() as u64, 0);
+            self.round_id += 1;
+            self.em.begin_round(self.round_id);
+            let (sh, em) = (&self.sh, &mut self.em);
+            let wrote = (|| {
+                let placement = place_batch(sh, &mut c.head, em, bytes)?;
+                let h = batch_header(
+                    c.id,
+                    c.head.pos.batch_seq - 1,
+                    c.head.gen,
+                    count,
+                    &meta,
+                    0,
+                    0,
+                    0,
+                );
+                em.begin(placement.offset)?;
+                em.put(h.as_bytes())?;
+                em.put(&meta)?;
+                em.pad_to_block()
+            })();
+            // Ended either way, so nothing of it is left to go out with the next round.
+            let ended = self.em.end_round(false);
+            wrote.and(ended)?;
             c.batches += 1;
             c.objects += count as u64;
             c.bytes += bytes;
-            written += bytes;
         }
-        self.em.submit_all()?;
-        if !finished {
-            return Ok(false);
-        }
+        self.encoder.as_ref().unwrap().recycle(meta);
+        Ok(())
+    }
+
+    /// Every batch is written and nothing is in flight: make them durable, then point the
+    /// superblocks at the checkpoint. Returns Ok(true): the checkpoint is complete and durable.
+    fn checkpoint_complete(&mut self) -> Result<bool> {
         self.em.flush()?;
         let c = self.ckpt.as_ref().unwrap();
         let mut sb = self.sb;

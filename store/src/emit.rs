@@ -124,11 +124,15 @@ impl<D: BlockDevice> Emitter<D> {
     }
 
     /// All of the current round's bytes are written: submit what is held. A round that is a
-    /// single write with nothing else in flight goes out with FUA and needs no flush.
-    pub fn end_round(&mut self) -> Result<()> {
+    /// single write with nothing else in flight goes out with FUA and needs no flush (unless
+    /// `may_fua` is false: a checkpoint batch, which nothing waits on until the checkpoint's
+    /// own flush).
+    pub fn end_round(&mut self, may_fua: bool) -> Result<()> {
         self.close_piece()?;
-        let alone =
-            self.rounds.len() == 1 && self.flush_covers.is_none() && self.submitted_in_round == 0;
+        let alone = may_fua
+            && self.rounds.len() == 1
+            && self.flush_covers.is_none()
+            && self.submitted_in_round == 0;
         if let Some(p) = self.held.take() {
             let fua = alone && self.volatile;
             if fua {
@@ -308,22 +312,19 @@ impl<D: BlockDevice> Emitter<D> {
         Ok(())
     }
 
-    /// Submit everything written so far and wait for it, without making it durable.
-    pub fn submit_all(&mut self) -> Result<()> {
-        self.close_piece()?;
-        if let Some(p) = self.held.take() {
-            self.submit(p, false)?;
-        }
-        self.submitted_in_round = 0;
-        self.drain()
-    }
-
     /// Submit a flush and wait for it (nothing else may be in flight).
     pub fn flush(&mut self) -> Result<()> {
         self.drain()?;
         let c = driver::io::execute(&mut self.q, Request::flush(0), DEVICE_TIMEOUT);
         self.flushes += 1;
-        c.result.map_err(Into::into)
+        c.result?;
+        // Every round written before it is durable now: none needs a flush of its own.
+        while self.rounds.front().is_some_and(|r| r.1 == 0) && self.held.is_none() {
+            let (id, _) = self.rounds.pop_front().unwrap();
+            self.written = self.written.max(id);
+        }
+        self.durable = self.durable.max(self.written);
+        Ok(())
     }
 
     /// Write one block-padded region synchronously with FUA (superblocks).

@@ -16,6 +16,7 @@
 
 pub mod bench;
 pub mod cache;
+mod checkpoint;
 mod cleaner;
 mod commit;
 mod emit;
