@@ -18,6 +18,11 @@
 //! transaction yields the CPU for up to [`COMMIT_WAIT_YIELD`] before it parks, so releasing it
 //! is a store to memory and it is back with its next transaction before the next round starts.
 //!
+//! A checkpoint never holds up a round: it begins between rounds (nothing in flight, so the log
+//! position it records covers every state in the index), the `store-ckpt` thread encodes the
+//! index ([`crate::checkpoint`]) and this thread writes each finished batch beside the rounds;
+//! only its completion (a flush, then the superblocks) waits for the rounds on the device.
+//!
 //! Transactions in one round touch disjoint objects (a second transaction on an object in the
 //! round waits for the next round), so every transaction is checked against the index as the
 //! previous rounds left it.
@@ -960,7 +965,11 @@ impl<D: BlockDevice + 'static> Committer<D> {
                 .victim(self.next_op_seq, crate::space::VICTIM_LIVE_MAX)
                 .is_some()
                 || r.segments_reclaimable > 0;
-            if self.sh.config.cleaner && !txn.background && cleanable {
+            // Nor while a checkpoint is written beside the rounds: its completion frees the
+            // old checkpoint and the dead segments it pinned (a transaction checked between
+            // rounds used to see that done, the checkpoint never running beside one).
+            let ckpt_frees = self.ckpt.is_some();
+            if !txn.background && ((self.sh.config.cleaner && cleanable) || ckpt_frees) {
                 tracing::debug!(
                     free = segs.free_count(),
                     segments,
