@@ -22,7 +22,7 @@ use crate::meta::encode_state;
 use crate::Shared;
 
 /// Encoded batches waiting for the commit thread: the encoder runs at most this far ahead, so
-/// its buffers stay bounded (each up to `batch_max`) whatever the commit thread is doing.
+/// its buffers stay bounded (each about `meta_max`) whatever the commit thread is doing.
 const AHEAD_BATCHES: usize = 2;
 
 /// One batch's records.

@@ -514,14 +514,17 @@ impl<D: BlockDevice + 'static> Committer<D> {
                 None
             } else if !idle {
                 user.try_recv().or_else(|_| bg.try_recv()).ok()
-            } else if let Some(enc) = self.encoder.as_ref().filter(|_| self.ckpt.is_some()) {
-                // Also wake for the encoder's next batch (and now and then for the cleaner's
-                // space, as below).
-                let out = enc.out().clone();
-                let wait = if self.space_waiters.is_empty() {
-                    Duration::from_secs(1)
+            } else {
+                // Sleep until a message arrives, or the encoder's next batch of a checkpoint
+                // in progress, or (waiting for the cleaner) now and then, to retry or time out.
+                let out = match self.encoder.as_ref().filter(|_| self.ckpt.is_some()) {
+                    Some(enc) => enc.out().clone(),
+                    None => crossbeam::channel::never(),
+                };
+                let tick = if self.space_waiters.is_empty() {
+                    crossbeam::channel::never()
                 } else {
-                    Duration::from_millis(20)
+                    crossbeam::channel::after(Duration::from_millis(20))
                 };
                 crossbeam::select! {
                     recv(user) -> m => match m { Ok(m) => Some(m), Err(_) => return self.shutdown() },
@@ -530,19 +533,7 @@ impl<D: BlockDevice + 'static> Committer<D> {
                         got = b.ok();
                         None
                     }
-                    default(wait) => None,
-                }
-            } else if !self.space_waiters.is_empty() {
-                // Waiting for the cleaner: wake now and then to retry or time out.
-                crossbeam::select! {
-                    recv(user) -> m => match m { Ok(m) => Some(m), Err(_) => return self.shutdown() },
-                    recv(bg) -> m => m.ok(),
-                    default(Duration::from_millis(20)) => None,
-                }
-            } else {
-                crossbeam::select! {
-                    recv(user) -> m => match m { Ok(m) => Some(m), Err(_) => return self.shutdown() },
-                    recv(bg) -> m => m.ok(),
+                    recv(tick) -> _ => None,
                 }
             };
             let mut started = false;
@@ -1540,8 +1531,7 @@ impl<D: BlockDevice + 'static> Committer<D> {
                 // failed log write does; the transactions waiting for the segments this
                 // checkpoint was to free get that error now, not `OutOfSpace` in 30 s.
                 // (Requeued, the next round refuses them as it refuses every transaction of a
-                // failed store.)
-                // Rounds on the device beside it fail with it.
+                // failed store.) Rounds on the device beside it fail with it.
                 if matches!(e, StoreError::Device(_)) {
                     self.fail_inflight(e);
                     self.failed = Some(format!("checkpoint write failed: {why}"));
