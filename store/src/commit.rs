@@ -412,6 +412,9 @@ pub(crate) struct Committer<D: BlockDevice> {
     /// Size of the newest checkpoint: the next one is due only after at least this much log
     /// (see [`Committer::checkpoint_due`]).
     last_ckpt_bytes: u64,
+    /// Log written while the newest checkpoint was being written (the rounds go on beside
+    /// it, and a restart replays from where it began).
+    last_ckpt_log_during: u64,
     failed: Option<String>,
     /// Newest log batch known durable (the last batch of the last completed round).
     durable_through: u64,
@@ -484,6 +487,7 @@ impl<D: BlockDevice + 'static> Committer<D> {
             ckpt_requests: Vec::new(),
             log_bytes_since_ckpt: 0,
             last_ckpt_bytes,
+            last_ckpt_log_during: 0,
             failed: None,
             durable_through,
             space_waiters: Vec::new(),
@@ -1401,14 +1405,19 @@ impl<D: BlockDevice + 'static> Committer<D> {
         // took, whichever is more. A checkpoint costs its size in device writes and a walk of
         // the whole index, however little changed: with the interval alone, a node of 10 M
         // objects (~1.3 GB of checkpoint) would write five times more checkpoint than log.
-        // So checkpoints never write more than the log they cover, and a restart still
-        // replays at most the larger of the interval and one checkpoint's size.
+        // So checkpoints write about as much as the log they cover, and a restart replays
+        // about the larger of the interval and one checkpoint's size (see `lead`).
         let due_after = self
             .sh
             .config
             .checkpoint_interval_bytes
             .max(self.last_ckpt_bytes);
-        if self.log_bytes_since_ckpt >= due_after {
+        // A restart replays from where the newest complete checkpoint began: the log due
+        // before it plus what the rounds wrote while it was written. So the next one begins
+        // that much early (as the last one measured it; at most half the bound, so checkpoints
+        // still write no more than about twice the log they cover).
+        let lead = self.last_ckpt_log_during.min(due_after / 2);
+        if self.log_bytes_since_ckpt + lead >= due_after {
             return true;
         }
         // The cleaner freed segments that only a checkpoint can release.
@@ -1503,6 +1512,7 @@ impl<D: BlockDevice + 'static> Committer<D> {
             Ok(true) => {
                 let c = self.ckpt.take().unwrap();
                 self.last_ckpt_bytes = c.bytes;
+                self.last_ckpt_log_during = self.log_bytes_since_ckpt;
                 self.sh.stats.checkpoints.inc();
                 for w in c.waiters {
                     let _ = w.send(Ok(()));
