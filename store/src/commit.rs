@@ -884,7 +884,7 @@ impl<D: BlockDevice + 'static> Committer<D> {
                 cur.push(None);
                 continue;
             }
-            let now = self.sh.index.get(&m.key).map(|e| e.value().load_full());
+            let now = self.sh.index.get(&m.key);
             let ok = match (m.base, &now) {
                 (Base::Any, _) => true,
                 (Base::Absent, None) => true,
@@ -1349,8 +1349,8 @@ impl<D: BlockDevice + 'static> Committer<D> {
             let mut replaced = Vec::new();
             for (m, mu) in a.txn.muts.iter().enumerate() {
                 let old = match &a.new_metas[m] {
-                    Some(meta) => crate::index_put(&self.sh.index, &mu.key, meta.clone()),
-                    None => self.sh.index.remove(&mu.key).map(|e| e.value().load_full()),
+                    Some(meta) => self.sh.index.put(&mu.key, meta.clone()),
+                    None => self.sh.index.remove(&mu.key),
                 };
                 if let Some(old) = old.filter(|_| mu.state_at_apply()) {
                     replaced.push(old);

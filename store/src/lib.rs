@@ -1,8 +1,8 @@
 //! nvstore's log-structured object store, generic over the BlockDevice contract.
 //!
 //! Every node keeps its erasure-coded shards here. Objects are written as chunks into an
-//! append-only log of batches; an in-memory index (a lock-free ordered map) points at the
-//! newest state of each object; checkpoints of the index bound restart time; a cleaner
+//! append-only log of batches; an in-memory index (a lock-free ordered map, and a sharded
+//! hash for point lookups) points at the newest state of each object; checkpoints of the index bound restart time; a cleaner
 //! relocates live data out of mostly-dead segments. See docs/format.md for the bytes and
 //! docs/architecture.md for the flow.
 //!
@@ -22,6 +22,7 @@ mod commit;
 mod emit;
 pub mod error;
 pub mod format;
+mod index;
 pub mod key;
 pub mod meta;
 mod open;
@@ -37,9 +38,7 @@ use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use arc_swap::ArcSwap;
 use crossbeam::channel::Sender;
-use crossbeam_skiplist::SkipMap;
 use driver::BlockDevice;
 
 pub use cache::CacheStats;
@@ -114,11 +113,7 @@ impl Default for StoreConfig {
     }
 }
 
-/// The in-memory index: one skip-list entry per object, whose state is swapped in place
-/// when the object changes ([`index_put`]). crossbeam-skiplist 0.1.3 (the newest release)
-/// replaces an existing key's entry in two steps (its issue #1023), and a lookup or a range
-/// scan in between misses the key; an entry that is never replaced has no such moment.
-pub(crate) type Index = SkipMap<ObjectKey, ArcSwap<ObjectMeta>>;
+pub(crate) use index::Index;
 
 /// CRC-32C of object data (a chunk's crc in its record). `crc-fast` folds with
 /// VPCLMULQDQ where the CPU has it: on a 4 MiB write_full the `crc32c` crate's loop was 13 % of
@@ -126,23 +121,6 @@ pub(crate) type Index = SkipMap<ObjectKey, ArcSwap<ObjectMeta>>;
 #[inline]
 pub(crate) fn data_crc(data: &[u8]) -> u32 {
     crc_fast::crc32_iscsi(data)
-}
-
-/// Set `key`'s state: in place when it has an entry (readers see the old or the new state,
-/// never none), else a new entry; returns the state it replaced. One search whether the key is
-/// new or not (most keys a commit round sets are new). Only one thread writes an index (the
-/// commit thread; at open, the replay).
-pub(crate) fn index_put(
-    index: &Index,
-    key: &ObjectKey,
-    meta: Arc<ObjectMeta>,
-) -> Option<Arc<ObjectMeta>> {
-    let e = index.get_or_insert_with(key.clone(), || ArcSwap::new(meta.clone()));
-    if Arc::ptr_eq(&e.value().load(), &meta) {
-        None
-    } else {
-        Some(e.value().swap(meta))
-    }
 }
 
 /// What every thread of an open store shares.
@@ -249,7 +227,8 @@ impl<D: BlockDevice + 'static> Store<D> {
         self.sh.index.len()
     }
 
-    /// Approximate bytes the in-memory index spends per object: skip-list node, key and meta.
+    /// Approximate bytes the in-memory index spends per object: skip-list node, key and meta,
+    /// and the point hash's entry ([`index::Index`]).
     pub fn index_bytes_per_object(&self) -> f64 {
         let n = self.sh.index.len();
         if n == 0 {
@@ -266,7 +245,7 @@ impl<D: BlockDevice + 'static> Store<D> {
                 + 16 // Arc counts
                 + e.value().load().heap_bytes();
         }
-        bytes as f64 / n as f64
+        (bytes + self.sh.index.point_bytes()) as f64 / n as f64
     }
 
     /// Force a checkpoint now and wait until it is durable.
@@ -300,6 +279,7 @@ impl<D: BlockDevice + 'static> Store<D> {
     }
 
     fn stop(&mut self) {
+        self.sh.index.stop_fill();
         self.scrub_stop.take();
         self.cleaner_stop.take();
         self.user_tx.take();

@@ -5,7 +5,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam::channel::{Receiver, Sender};
-use crossbeam_skiplist::SkipMap;
 use driver::BlockDevice;
 use zerocopy::{FromBytes, FromZeros, IntoBytes};
 
@@ -446,7 +445,7 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
         )?;
     }
 
-    let index: crate::Index = SkipMap::new();
+    let index = crate::Index::new();
     let mut report = OpenReport::default();
     let mut ckpt_segments = Vec::new();
     let start = Pos {
@@ -613,6 +612,8 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
         dev,
     });
     *sh.spare_queue.lock().unwrap() = Some(sh.dev.open_queue()?);
+    // The point index is built beside the serving store (see the index module).
+    sh.index.go_live();
     let log = StreamHead {
         layout,
         stream_id: sb.log_id.get(),
@@ -632,6 +633,19 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
             .name("store-commit".into())
             .spawn(move || committer.run(user_rx, bg_rx))
             .expect("spawn commit thread"),
+    );
+    let fill_sh = sh.clone();
+    threads.push(
+        std::thread::Builder::new()
+            .name("store-index".into())
+            .spawn(move || {
+                let t0 = Instant::now();
+                let objects = fill_sh.index.len();
+                if fill_sh.index.fill() {
+                    tracing::debug!(device = %fill_sh.name, objects, elapsed = ?t0.elapsed(), "point index built");
+                }
+            })
+            .expect("spawn index thread"),
     );
     let mut cleaner_stop = None;
     if config.cleaner {
@@ -958,7 +972,7 @@ fn apply_loads(index: &crate::Index, rx: Receiver<Load>) -> (u64, u64) {
             Load::Checkpoint(recs) => {
                 for rec in recs {
                     if let Record::State { key, meta } = rec {
-                        crate::index_put(index, &key, Arc::new(meta));
+                        index.put(&key, Arc::new(meta));
                         objects += 1;
                     }
                 }
@@ -976,19 +990,14 @@ fn replay_records(index: &crate::Index, records: Vec<Record>, max_seq: &mut u64)
         match rec {
             Record::State { key, meta } => {
                 *max_seq = (*max_seq).max(meta.state_seq);
-                let newer = index
-                    .get(&key)
-                    .is_none_or(|e| e.value().load().state_seq < meta.state_seq);
+                let newer = index.state_seq(&key).is_none_or(|s| s < meta.state_seq);
                 if newer {
-                    crate::index_put(index, &key, Arc::new(meta));
+                    index.put(&key, Arc::new(meta));
                 }
             }
             Record::Remove { key, seq, .. } => {
                 *max_seq = (*max_seq).max(seq);
-                if index
-                    .get(&key)
-                    .is_some_and(|e| e.value().load().state_seq < seq)
-                {
+                if index.state_seq(&key).is_some_and(|s| s < seq) {
                     index.remove(&key);
                 }
             }

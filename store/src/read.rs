@@ -680,9 +680,7 @@ impl<D: BlockDevice> Shared<D> {
     }
 
     pub(crate) fn moved(&self, key: &ObjectKey, m: &ObjectMeta) -> bool {
-        self.index
-            .get(key)
-            .is_none_or(|e| e.value().load().state_seq != m.state_seq)
+        self.index.state_seq(key).is_none_or(|s| s != m.state_seq)
     }
 
     pub(crate) fn lookup(&self, key: &ObjectKey) -> Result<Arc<ObjectMeta>> {
@@ -693,7 +691,7 @@ impl<D: BlockDevice> Shared<D> {
     /// The index entry of `key` (entries are updated in place, so an object being
     /// overwritten is never missing: see [`crate::Index`]).
     pub(crate) fn index_get(&self, key: &ObjectKey) -> Option<Arc<ObjectMeta>> {
-        self.index.get(key).map(|e| e.value().load_full())
+        self.index.get(key)
     }
 
     pub(crate) fn load_xattrs(&self, m: &ObjectMeta) -> Result<BTreeMap<String, Vec<u8>>> {

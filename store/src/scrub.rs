@@ -123,10 +123,7 @@ impl<D: BlockDevice> Shared<D> {
                         expected, found, ..
                     }) => {
                         // A relocation may have raced with us: only report if still current.
-                        let current = self
-                            .index
-                            .get(&key)
-                            .is_some_and(|e| e.value().load().state_seq == m.state_seq);
+                        let current = self.index.state_seq(&key).is_some_and(|s| s == m.state_seq);
                         if current {
                             rep.corrupt.push(CorruptChunk {
                                 key: key.clone(),
