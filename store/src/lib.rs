@@ -2,9 +2,9 @@
 //!
 //! Every node keeps its erasure-coded shards here. Objects are written as chunks into an
 //! append-only log of batches; an in-memory index (a lock-free ordered map, and a sharded
-//! hash for point lookups) points at the newest state of each object; checkpoints of the index bound restart time; a cleaner
-//! relocates live data out of mostly-dead segments. See docs/format.md for the bytes and
-//! docs/architecture.md for the flow.
+//! hash for point lookups) points at the newest state of each object; checkpoints of the
+//! index bound restart time; a cleaner relocates live data out of mostly-dead segments. See
+//! docs/format.md for the bytes and docs/architecture.md for the flow.
 //!
 //! # Guarantees
 //! * A transaction returns only after it is durable (flush or FUA covers it), and its effects
@@ -228,7 +228,7 @@ impl<D: BlockDevice + 'static> Store<D> {
     }
 
     /// Approximate bytes the in-memory index spends per object: skip-list node, key and meta,
-    /// and the point hash's entry ([`index::Index`]).
+    /// and the point hash's share (its entries and their tables' empty buckets).
     pub fn index_bytes_per_object(&self) -> f64 {
         let n = self.sh.index.len();
         if n == 0 {

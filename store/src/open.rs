@@ -642,7 +642,8 @@ pub(crate) fn mount<D: BlockDevice + 'static>(
                 let t0 = Instant::now();
                 let objects = fill_sh.index.len();
                 if fill_sh.index.fill() {
-                    tracing::debug!(device = %fill_sh.name, objects, elapsed = ?t0.elapsed(), "point index built");
+                    let elapsed = t0.elapsed();
+                    tracing::debug!(device = %fill_sh.name, objects, ?elapsed, "point index built");
                 }
             })
             .expect("spawn index thread"),
