@@ -222,29 +222,28 @@ impl Index {
             Some(e.value().swap(meta.clone()))
         };
         drop(e);
-        if self.live.load(Ordering::Relaxed) {
-            let pk = self.point_key(key);
-            let mut shard = self
-                .shard(&pk)
-                .write()
-                .unwrap_or_else(PoisonError::into_inner);
-            shard.insert(pk, meta);
-        }
+        self.point_write(key, |shard, pk| drop(shard.insert(pk, meta)));
         old
     }
 
     /// Remove `key`; returns the state it had.
     pub(crate) fn remove(&self, key: &ObjectKey) -> Option<Arc<ObjectMeta>> {
         let old = self.ordered.remove(key).map(|e| e.value().load_full());
+        self.point_write(key, |shard, pk| drop(shard.remove(&pk)));
+        old
+    }
+
+    /// Once live, `f` on `key`'s shard of the hash, locked for writing (after the ordered
+    /// view changed: see the module's docs).
+    fn point_write(&self, key: &ObjectKey, f: impl FnOnce(&mut Shard, PointKey)) {
         if self.live.load(Ordering::Relaxed) {
             let pk = self.point_key(key);
             let mut shard = self
                 .shard(&pk)
                 .write()
                 .unwrap_or_else(PoisonError::into_inner);
-            shard.remove(&pk);
+            f(&mut shard, pk);
         }
-        old
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -301,6 +300,17 @@ mod tests {
 
     fn key(i: u32) -> ObjectKey {
         ObjectKey::new(u64::from(i % 3), format!("obj-{i:06}"), (i % 5) as u8)
+    }
+
+    /// An index as open leaves it: `n` objects at `seq` in the ordered view, then live (the
+    /// writer keeping both views), the hash not filled yet.
+    fn opened(n: u32, seq: u64) -> Index {
+        let ix = Index::new();
+        for i in 0..n {
+            ix.put(&key(i), meta(seq));
+        }
+        ix.go_live();
+        ix
     }
 
     impl Index {
@@ -402,11 +412,7 @@ mod tests {
     #[test]
     fn a_fill_beside_the_writer_leaves_the_hash_equal_to_the_ordered_view() {
         for round in 0..20u32 {
-            let ix = Index::new();
-            for i in 0..20_000 {
-                ix.put(&key(i), meta(1));
-            }
-            ix.go_live();
+            let ix = opened(20_000, 1);
             std::thread::scope(|s| {
                 let filler = s.spawn(|| ix.fill());
                 // Overwrites, removes, new keys and removed keys put back, while it fills.
@@ -435,11 +441,7 @@ mod tests {
     /// and adding it: a removed key stays removed, a changed one keeps its new state.
     #[test]
     fn the_writer_between_the_walk_and_the_add_wins() {
-        let ix = Index::new();
-        for i in 0..3_000 {
-            ix.put(&key(i), meta(1));
-        }
-        ix.go_live();
+        let ix = opened(3_000, 1);
         assert!(ix.fill_with(|k| {
             let i: u32 = std::str::from_utf8(&k.name[4..]).unwrap().parse().unwrap();
             match i % 3 {
@@ -461,11 +463,7 @@ mod tests {
 
     #[test]
     fn a_stopped_fill_leaves_lookups_on_the_ordered_view() {
-        let ix = Index::new();
-        for i in 0..10_000 {
-            ix.put(&key(i), meta(3));
-        }
-        ix.go_live();
+        let ix = opened(10_000, 3);
         ix.stop_fill();
         assert!(!ix.fill());
         assert!(!ix.point_ready());
