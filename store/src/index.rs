@@ -46,7 +46,7 @@ use crate::key::ObjectKey;
 use crate::meta::ObjectMeta;
 
 /// Shards of the point hash (a power of two).
-pub(crate) const SHARDS: usize = 256;
+const SHARDS: usize = 256;
 
 /// An object's identity in the point hash: two independent 64-bit keyed hashes of its key.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -95,12 +95,6 @@ pub(crate) struct Index {
     ready: AtomicBool,
     /// The store is closing: a fill in progress gives up.
     stop: AtomicBool,
-}
-
-impl Default for Index {
-    fn default() -> Self {
-        Self::new()
-    }
 }
 
 impl Index {
@@ -184,28 +178,25 @@ impl Index {
 
     /// The newest state of `key`.
     pub(crate) fn get(&self, key: &ObjectKey) -> Option<Arc<ObjectMeta>> {
-        if !self.point_ready() {
-            return self.ordered.get(key).map(|e| e.value().load_full());
-        }
-        let pk = self.point_key(key);
-        let shard = self
-            .shard(&pk)
-            .read()
-            .unwrap_or_else(PoisonError::into_inner);
-        shard.get(&pk).cloned()
+        self.lookup(key, |m| m.clone())
     }
 
     /// The op sequence of `key`'s newest state.
     pub(crate) fn state_seq(&self, key: &ObjectKey) -> Option<u64> {
+        self.lookup(key, |m| m.state_seq)
+    }
+
+    /// `f` of `key`'s newest state: from the hash once it is filled, else the ordered view.
+    fn lookup<T>(&self, key: &ObjectKey, f: impl FnOnce(&Arc<ObjectMeta>) -> T) -> Option<T> {
         if !self.point_ready() {
-            return self.ordered.get(key).map(|e| e.value().load().state_seq);
+            return self.ordered.get(key).map(|e| f(&e.value().load()));
         }
         let pk = self.point_key(key);
         let shard = self
             .shard(&pk)
             .read()
             .unwrap_or_else(PoisonError::into_inner);
-        shard.get(&pk).map(|m| m.state_seq)
+        shard.get(&pk).map(f)
     }
 
     /// Set `key`'s state; returns the state it replaced. In the ordered view the entry is
